@@ -1,0 +1,83 @@
+"""`specserve`: the project's command line. Each subcommand imports what it needs when it runs."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _cmd_math(args) -> int:
+    from plugin.speculation_math import expected_tokens, optimal_k, optimal_k_table
+
+    if args.table:
+        rows = optimal_k_table(args.max_k)
+    elif args.alpha is None or args.c is None:
+        print("specserve math: give --alpha and --c, or --table", file=sys.stderr)
+        return 2
+    else:
+        if not 0.0 <= args.alpha < 1.0 or args.c <= 0:
+            print("specserve math: need 0 <= alpha < 1 and c > 0", file=sys.stderr)
+            return 2
+        k, s = optimal_k(args.alpha, args.c, args.max_k)
+        rows = [{"alpha": args.alpha, "c": args.c, "k": k, "speedup": round(s, 4),
+                 "expected_tokens": round(expected_tokens(args.alpha, k), 4)}]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'alpha':>6} {'c':>6} {'optimal k':>10} {'speed-up':>9}")
+    for r in rows:
+        print(f"{r['alpha']:>6.2f} {r['c']:>6g} {r['k']:>10d} {r['speedup']:>8.2f}x")
+    return 0
+
+
+def _cmd_bench_sampler(args) -> int:
+    from plugin.bench_sampler import main as bench
+
+    return bench(args)
+
+
+def _cmd_train_demo(args) -> int:
+    from plugin.demo.train import train_demo
+
+    train_demo(Path(args.out), vocab_size=args.vocab_size, target_steps=args.target_steps,
+               draft_steps=args.draft_steps, seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("math", help="optimal draft length and speed-up from alpha and cost ratio c")
+    p.add_argument("--alpha", type=float, help="acceptance rate, sum(min(p, q))")
+    p.add_argument("--c", type=float, help="cost ratio: target step time / draft step time")
+    p.add_argument("--max-k", type=int, default=20)
+    p.add_argument("--table", action="store_true", help="the seeds' table: alpha 0.6-0.9 x c 10/20/50")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_math)
+
+    p = sub.add_parser("bench-sampler", help="time the exact rejection sampler against plain sampling")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=_cmd_bench_sampler)
+
+    p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models"))
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--target-steps", type=int, default=750)
+    p.add_argument("--draft-steps", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

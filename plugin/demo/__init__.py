@@ -1,0 +1,1 @@
+"""The embedded default: a small code-completion target/draft pair trained on CPython's stdlib."""

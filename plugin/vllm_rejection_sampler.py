@@ -1,0 +1,82 @@
+"""`ExactRejectionSampler`: vLLM 0.32's `RejectionSampler` contract on top of `plugin.sampling`.
+
+vLLM's model runner calls `rejection_sampler(spec_decode_metadata, draft_probs, logits,
+sampling_metadata) -> SamplerOutput`. This class keeps that contract and vLLM's own handling of what
+surrounds verification (penalties, bad words, min-tokens, logprobs, and the bonus token, which vLLM's
+plain `Sampler` draws exactly as the non-speculative engine would), and replaces the accept/recover
+step with the exact test of `plugin.sampling.rejection_sample`: accept x with min(1, p(x) / q(x))
+against the draft's full processed distribution q, recover from normalise(max(0, p - q)).
+
+draft_probs is [num_draft_tokens, vocab] in the flattened order of the metadata, or None, meaning
+every draft token was proposed deterministically (q one-hot at it).
+"""
+
+from dataclasses import replace
+
+import torch
+
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+from plugin.sampling import pad_ragged, processed_probs, rejection_sample
+
+
+def _per_token(values: torch.Tensor | None, num_draft_tokens: list[int]) -> torch.Tensor | None:
+    """Per-request sampling parameters [batch] repeated for each of the request's draft tokens."""
+    if values is None:
+        return None
+    counts = torch.as_tensor(num_draft_tokens, device=values.device)
+    return values.repeat_interleave(counts)
+
+
+class ExactRejectionSampler(RejectionSampler):
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        num_draft = metadata.num_draft_tokens
+        batch, width = len(num_draft), metadata.max_spec_len
+
+        # Bonus tokens: vLLM's own sampler, from the target's processed next distribution.
+        bonus_output = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
+        )
+        bonus_token_ids = bonus_output.sampled_token_ids.view(-1).long()
+
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        target_logits = raw_target_logits if self.is_processed_logprobs_mode else raw_target_logits.clone()
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
+
+        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+            temperature = torch.zeros(batch, device=logits.device)
+        else:
+            temperature = sampling_metadata.temperature
+        greedy = temperature <= 0
+        target_probs = processed_probs(
+            target_logits,
+            _per_token(temperature, num_draft),
+            _per_token(sampling_metadata.top_k, num_draft),
+            _per_token(sampling_metadata.top_p, num_draft),
+        )
+        # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
+        padded_target = pad_ragged(target_probs, num_draft, width + 1)
+        bonus_one_hot = torch.nn.functional.one_hot(bonus_token_ids, target_probs.size(-1)).to(padded_target.dtype)
+        padded_target[torch.arange(batch, device=logits.device), torch.as_tensor(num_draft, device=logits.device)] = bonus_one_hot
+
+        drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)
+        padded_draft_probs = None if draft_probs is None else pad_ragged(draft_probs.float(), num_draft, width)
+        generators = [sampling_metadata.generators.get(i) for i in range(batch)]
+        output_token_ids, _ = rejection_sample(drafts, padded_draft_probs, padded_target, greedy, generators)
+        output_token_ids = output_token_ids.to(torch.int32)
+
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs,
+                metadata,
+                logits,
+                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                bonus_output.logprobs_tensors.logprobs,
+                output_token_ids,
+            )
+        return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=logprobs_tensors)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create/refresh .venv with the vLLM build that fits this machine. Idempotent: a stamp file
+# records what was installed; when it matches, nothing is installed again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+if [ -n "${SPECSERVE_BUILD:-}" ]; then
+  build=$SPECSERVE_BUILD
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+  build=gpu
+else
+  build=cpu
+fi
+
+stamp=.venv/.specserve-stamp
+want="$build $(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+echo "specserve: installing the $build build into .venv (first run takes a few minutes)" >&2
+.venv/bin/python -m pip install -q -e ".[$build,test]"
+if [ "$build" = cpu ]; then
+  # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break `import transformers`.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "$want" > "$stamp"

@@ -1,0 +1,106 @@
+"""`plugin.ExactRejectionSampler` driven through vLLM 0.32's own types, with vLLM's own `Sampler`."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
+from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
+from vllm.v1.sample.rejection_sampler import RejectionSampler  # noqa: E402
+from vllm.v1.sample.sampler import Sampler  # noqa: E402
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
+
+from plugin import ExactRejectionSampler  # noqa: E402
+from tests.test_sampling import P_VALUE_FLOOR, SEED_P, SEED_Q, chi_square_p_value  # noqa: E402
+
+
+def spec_metadata(draft_token_ids: list[list[int]]) -> SpecDecodeMetadata:
+    """The metadata vLLM's model runner builds, for logits laid out request by request as
+    [draft positions..., bonus position]."""
+    num_draft = np.array([len(d) for d in draft_token_ids])
+    num_sampled = num_draft + 1
+    cu_sampled = np.cumsum(num_sampled)
+    starts = cu_sampled - num_sampled
+    target_idx = np.concatenate([s + np.arange(n) for s, n in zip(starts, num_draft)] or [[]]).astype(np.int32)
+    return SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(sum(draft_token_ids, []), dtype=torch.int32),
+        num_draft_tokens=num_draft.tolist(),
+        cu_num_draft_tokens=torch.tensor(np.cumsum(num_draft), dtype=torch.int32),
+        cu_num_sampled_tokens=torch.tensor(cu_sampled, dtype=torch.int32),
+        target_logits_indices=torch.tensor(target_idx, dtype=torch.int32),
+        bonus_logits_indices=torch.tensor(cu_sampled - 1, dtype=torch.int32),
+        logits_indices=torch.arange(int(cu_sampled[-1]), dtype=torch.int32),
+    )
+
+
+def sampling_metadata(temperatures: list[float], generators: dict | None = None, top_k=None, top_p=None):
+    n = len(temperatures)
+    temperature = torch.tensor(temperatures, dtype=torch.float32)
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=bool((temperature == 0).all()),
+        all_random=bool((temperature > 0).all()),
+        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
+        generators=generators or {},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n),
+        repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    return ExactRejectionSampler(Sampler())
+
+
+def test_is_a_drop_in_for_vllms_rejection_sampler(sampler):
+    assert isinstance(sampler, RejectionSampler)
+
+
+def test_first_token_follows_target_with_real_draft_probs(sampler):
+    """30,000 requests with one draft token x ~ q each: the first emitted token follows p (chi-square)."""
+    n = 30_000
+    torch.manual_seed(21)
+    drafts = torch.multinomial(SEED_Q.expand(n, -1), 1)
+    logits = SEED_P.log().expand(2 * n, -1).contiguous()  # per request: draft position, bonus position
+    out = sampler(spec_metadata(drafts.tolist()), SEED_Q.expand(n, -1).contiguous(), logits,
+                  sampling_metadata([1.0] * n)).sampled_token_ids
+    assert out.dtype == torch.int32 and out.shape == (n, 2)
+    assert chi_square_p_value(out[:, 0].long().numpy(), SEED_P.numpy()) > P_VALUE_FLOOR
+    accepted = (out[:, 0] == drafts[:, 0].int()).float().mean().item()
+    # A rejected x has p(x) < q(x), so max(0, p - q) never recovers x: acceptance is alpha = 0.85.
+    alpha = torch.minimum(SEED_P, SEED_Q).sum().item()
+    assert abs(accepted - alpha) < 0.01
+
+
+def test_mixed_ragged_batch(sampler):
+    """Greedy, sampled and seeded requests with 3, 0 and 2 drafts; greedy follows the argmax."""
+    v = 8
+    torch.manual_seed(0)
+    logits = torch.randn(3 + 1 + 1 + 2 + 1, v) * 3
+    greedy_argmax = logits[:4].argmax(-1).tolist()
+    drafts = [[greedy_argmax[0], greedy_argmax[1], (greedy_argmax[2] + 1) % v], [], [1, 2]]
+    meta = spec_metadata(drafts)
+
+    def run():
+        gens = {2: torch.Generator().manual_seed(5)}
+        return sampler(meta, None, logits.clone(), sampling_metadata([0.0, 1.0, 0.8], gens)).sampled_token_ids
+
+    out = run()
+    assert out.shape == (3, 4)
+    # Greedy: two drafts accepted, the third replaced by the target's argmax.
+    assert out[0].tolist() == greedy_argmax[:3] + [-1]
+    # No drafts: just the bonus token.
+    assert out[1, 0] >= 0 and out[1, 1:].tolist() == [-1, -1, -1]
+    # Seeded: the same tokens every time.
+    assert out[2].tolist() == run()[2].tolist()
