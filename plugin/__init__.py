@@ -4,7 +4,9 @@
 `RejectionSampler` and is imported lazily, so the core works without vLLM installed.
 """
 
-__all__ = ["ExactRejectionSampler"]
+from plugin.config import speculative_engine_kwargs
+
+__all__ = ["ExactRejectionSampler", "speculative_engine_kwargs"]
 
 
 def __getattr__(name):

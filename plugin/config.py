@@ -1,0 +1,90 @@
+"""Turning the speculator on: `speculative_engine_kwargs`, and the checks made at start-up."""
+
+from pathlib import Path
+from typing import Any
+
+PROPOSER_CLASS = "plugin.proposer.DraftProposer"
+WORKER_CLASS = "plugin.worker.SpeculativeWorker"
+CONFIG_KEY = "specserve"
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local directory as is; a hub id through the Hugging Face cache (offline if HF_HUB_OFFLINE=1)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+def _vocab(model_dir: Path) -> dict[str, int] | None:
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).get_vocab()
+
+
+def check_shared_vocabulary(target: str | Path, draft: str | Path) -> None:
+    """Refuse a draft whose tokenizer differs from the target's: its tokens would mean other text."""
+    from plugin.draft_model import read_config
+
+    target_dir, draft_dir = resolve_model_dir(target), resolve_model_dir(draft)
+    target_vocab, draft_vocab = _vocab(target_dir), _vocab(draft_dir)
+    if target_vocab is not None and draft_vocab is not None:
+        if target_vocab != draft_vocab:
+            only_target = len(set(target_vocab.items()) - set(draft_vocab.items()))
+            raise ValueError(
+                f"draft model {draft} does not share the target's vocabulary ({target}): "
+                f"{len(target_vocab)} vs {len(draft_vocab)} tokens, {only_target} target entries differ")
+        return
+    target_size = read_config(target_dir)["vocab_size"]
+    draft_size = read_config(draft_dir)["vocab_size"]
+    if target_size != draft_size:
+        raise ValueError(f"draft model {draft} has vocab_size {draft_size}, the target {target} has "
+                         f"{target_size}; speculation needs one shared vocabulary")
+
+
+def speculative_engine_kwargs(
+    draft_model: str | Path,
+    num_speculative_tokens: int = 4,
+    *,
+    target_model: str | Path | None = None,
+    max_draft_rows: int | None = None,
+    max_draft_len: int | None = None,
+    draft_dtype: str = "auto",
+    fault_injection_rate: float = 0.0,
+    per_request_metrics: str = "summary",
+) -> dict[str, Any]:
+    """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
+    and Ray Serve LLM's `engine_kwargs`.
+
+    draft_model: path or hub id of a Llama-family draft sharing the target's vocabulary.
+    target_model: when given, the vocabulary check runs here, before any engine starts; the engine
+        checks again at start-up either way.
+    max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
+        for; default min(max_num_seqs, 64) rows of max_model_len positions).
+    fault_injection_rate: share of steps whose drafting fails on purpose (tests only).
+    """
+    if num_speculative_tokens < 1:
+        raise ValueError("num_speculative_tokens must be at least 1")
+    if target_model is not None:
+        check_shared_vocabulary(target_model, draft_model)
+    options = {
+        "draft_model": str(draft_model),
+        "max_draft_rows": max_draft_rows,
+        "max_draft_len": max_draft_len,
+        "draft_dtype": draft_dtype,
+        "fault_injection_rate": fault_injection_rate,
+    }
+    return {
+        "speculative_config": {
+            "method": "custom_class",
+            "model": PROPOSER_CLASS,
+            "num_speculative_tokens": num_speculative_tokens,
+        },
+        "worker_cls": WORKER_CLASS,
+        "additional_config": {CONFIG_KEY: options},
+        "per_request_spec_decode_metrics": per_request_metrics,
+    }

@@ -1,0 +1,34 @@
+"""vLLM engines for the demo pair on this machine: the settings the tests, benchmarks and the
+embedded serve config share (CPU-sized; a GPU needs none of the memory caps)."""
+
+from typing import Any
+
+from plugin.config import speculative_engine_kwargs
+from plugin.paths import DEFAULT_DRAFT, DEFAULT_TARGET
+
+# enforce_eager keeps start-up near 20 s on CPU; 0.1 of RAM is plenty of KV cache for the demo pair.
+DEMO_ENGINE_KWARGS: dict[str, Any] = {
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,
+    "max_model_len": 1024,
+    "disable_log_stats": False,
+    # vLLM 0.32 on CPU crashes a seeded request whose prompt is prefilled in chunks
+    # (gpu_model_runner._bookkeeping_sync calls Generator.set_offset, which CPU generators lack).
+    "enable_chunked_prefill": False,
+}
+
+
+def engine_kwargs(speculative: bool, num_speculative_tokens: int = 4, target: str = DEFAULT_TARGET,
+                  draft: str = DEFAULT_DRAFT, **overrides) -> dict[str, Any]:
+    kwargs = {"model": str(target), **DEMO_ENGINE_KWARGS}
+    if speculative:
+        spec_options = {k: overrides.pop(k) for k in ("fault_injection_rate", "max_draft_rows", "max_draft_len")
+                        if k in overrides}
+        kwargs |= speculative_engine_kwargs(draft, num_speculative_tokens, **spec_options)
+    return kwargs | overrides
+
+
+def build_llm(speculative: bool, **kwargs):
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(speculative, **kwargs))

@@ -1,0 +1,64 @@
+"""The plain-PyTorch draft decoder against transformers' own forward, with ragged batched catch-up."""
+
+import pytest
+import torch
+
+from plugin.draft_model import DraftModel
+
+
+def save_random(tmp_path, kind):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=128)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, tie_word_embeddings=True, **common))
+    else:  # GQA, q/k/v biases, untied head
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_incremental_batched_logits_match_transformers(tmp_path, kind):
+    hf = save_random(tmp_path, kind)
+    draft = DraftModel(tmp_path, max_rows=4, max_len=64)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 4, 12)]
+    with torch.no_grad():
+        expected = [hf(input_ids=s.unsqueeze(0)).logits[0].float() for s in seqs]
+
+    # Step 1: ragged catch-up: rows feed 5, 2 and 7 tokens from position 0.
+    first = [5, 2, 7]
+    tokens = torch.zeros(3, 7, dtype=torch.long)
+    for i, n in enumerate(first):
+        tokens[i, :n] = seqs[i][:n]
+    logits = draft.forward(tokens, torch.zeros(3, dtype=torch.long), torch.tensor(first) - 1)
+    for i, n in enumerate(first):
+        torch.testing.assert_close(logits[i], expected[i][n - 1], atol=1e-4, rtol=1e-4)
+
+    # Then one token at a time, each row at its own position.
+    pos = torch.tensor(first)
+    for _ in range(2):
+        tokens = torch.stack([seqs[i][pos[i]] for i in range(3)]).unsqueeze(1)
+        logits = draft.forward(tokens, pos, torch.zeros(3, dtype=torch.long))
+        for i in range(3):
+            torch.testing.assert_close(logits[i], expected[i][pos[i]], atol=1e-4, rtol=1e-4)
+        pos = pos + 1
+
+    # Rows move (vLLM condensed its batch): row 2's cache becomes row 0's.
+    draft.move_rows([2], [0])
+    logits = draft.forward(seqs[2][pos[2]].view(1, 1), pos[2:3], torch.zeros(1, dtype=torch.long))
+    torch.testing.assert_close(logits[0], expected[2][pos[2]], atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
+    with pytest.raises(ValueError, match="not supported"):
+        DraftModel(tmp_path, max_rows=1, max_len=8)
