@@ -36,6 +36,26 @@ def _cmd_bench_sampler(args) -> int:
     return bench(args)
 
 
+def _cmd_bench(args) -> int:
+    from plugin.bench import main as bench
+
+    return bench(args)
+
+
+def _cmd_measure_pair(args) -> int:
+    from plugin.demo.measure import main as measure
+
+    return measure(args)
+
+
+def _cmd_make_prompts(args) -> int:
+    from plugin.demo.prompts import write_prompts
+
+    prompts = write_prompts(Path(args.out))
+    print(f"wrote {len(prompts)} prompts to {args.out}")
+    return 0
+
+
 def _cmd_train_demo(args) -> int:
     from plugin.demo.train import train_demo
 
@@ -63,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=_cmd_bench_sampler)
+
+    p = sub.add_parser("bench", help="plain vLLM vs this plugin vs vLLM's draft_model and ngram methods")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=16, help="requests per (batch size, temperature) point")
+    p.add_argument("--configs", help="comma-separated subset of plain,specserve,vllm-draft_model,vllm-ngram")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("measure-pair", help="alpha, greedy match and cost ratio c of the demo pair")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=_cmd_measure_pair)
+
+    p = sub.add_parser("make-prompts", help="cut the held-out prompts file from held-out stdlib files")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "loadtest" / "prompts.jsonl"))
+    p.set_defaults(func=_cmd_make_prompts)
 
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models"))

@@ -32,3 +32,14 @@ def build_llm(speculative: bool, **kwargs):
     from vllm import LLM
 
     return LLM(**engine_kwargs(speculative, **kwargs))
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an `LLM`'s engine processes now rather than at interpreter exit."""
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None and hasattr(engine, "shutdown"):
+        engine.shutdown()
+    del llm
+    gc.collect()

@@ -126,9 +126,9 @@ def test_no_state_left_after_200_requests(spec_llm):
     assert stats_["failures"] == 0
 
 
-def test_preemption_keeps_greedy_output(plain_llm, shutdown_engine):
+def test_preemption_keeps_greedy_output(plain_llm):
     """A KV cache of 64 blocks for 16 concurrent 300-token sequences forces preemption."""
-    from plugin.engines import build_llm
+    from plugin.engines import build_llm, shutdown_llm
 
     prompts = held_out_prompts(16)
     small = build_llm(speculative=True, seed=0, num_gpu_blocks_override=64, max_num_seqs=16)
@@ -136,15 +136,15 @@ def test_preemption_keeps_greedy_output(plain_llm, shutdown_engine):
         spec = small.generate(prompts, greedy(128))
         preemptions = sum(m.value for m in small.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
-        shutdown_engine(small)
+        shutdown_llm(small)
     plain = plain_llm.generate(prompts, greedy(128))
     assert preemptions > 0, "the small cache did not force preemption"
     same = sum(a == b for a, b in zip(token_ids(plain), token_ids(spec)))
     assert same >= len(prompts) - 1, f"{len(prompts) - same} of {len(prompts)} differ after preemption"
 
 
-def test_draft_faults_never_fail_a_request(plain_llm, shutdown_engine):
-    from plugin.engines import build_llm
+def test_draft_faults_never_fail_a_request(plain_llm):
+    from plugin.engines import build_llm, shutdown_llm
 
     prompts = held_out_prompts(12)
     faulty = build_llm(speculative=True, seed=0, fault_injection_rate=0.4)
@@ -152,7 +152,7 @@ def test_draft_faults_never_fail_a_request(plain_llm, shutdown_engine):
         spec = faulty.generate(prompts, greedy(48))
         stats_ = faulty.collective_rpc("specserve_stats")[0]
     finally:
-        shutdown_engine(faulty)
+        shutdown_llm(faulty)
     plain = plain_llm.generate(prompts, greedy(48))
     assert stats_["failures"] > 0 and stats_["proposed_requests"] > 0
     assert all(o.finished and len(o.outputs[0].token_ids) == 48 for o in spec)

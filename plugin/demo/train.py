@@ -22,6 +22,8 @@ from plugin.demo.corpus import EOT, read_source, split_files
 
 SEQ_LEN = 512
 BATCH = 8
+# The demo models complete code; a chat turn is the concatenated message texts, so chat routes work.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
 
 
 @dataclass
@@ -63,6 +65,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
         clean_up_tokenization_spaces=False,
         model_max_length=1024,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

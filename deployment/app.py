@@ -1,0 +1,94 @@
+"""The application builder: the target with the exact speculator and the same target without it,
+side by side behind one OpenAI-compatible route, as two model ids.
+
+`serve run serve_config.yaml` calls `build_app` with the YAML's `args`, validated into `SpecServeArgs`.
+"""
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, Field, field_validator
+
+from plugin.config import speculative_engine_kwargs
+from plugin.engines import DEMO_ENGINE_KWARGS
+from plugin.paths import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
+
+
+class SpecServeArgs(BaseModel):
+    target_model: str = Field(DEFAULT_TARGET, description="path or hub id of the target")
+    draft_model: str = Field(DEFAULT_DRAFT, description="path or hub id of the draft (same tokenizer)")
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    speculative_model_id: str = "specserve-speculative"
+    baseline_model_id: str = "specserve-baseline"
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    accelerator_type: Optional[str] = Field(None, description="e.g. H100; GPU only")
+    engine_kwargs: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_ENGINE_KWARGS),
+                                          description="vLLM engine arguments shared by both models")
+    speculative_options: dict[str, Any] = Field(default_factory=dict,
+                                                description="extra speculative_engine_kwargs options")
+    deployment_config: dict[str, Any] = Field(default_factory=dict,
+                                              description="Ray Serve options per model: autoscaling_config, "
+                                                          "max_ongoing_requests, ray_actor_options")
+    placement_bundles: Optional[list[dict[str, float]]] = Field(
+        None, description="resources of each replica's engine; default 1 CPU (cpu) or 1 GPU (gpu)")
+    ingress_deployment_config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("target_model", "draft_model")
+    @classmethod
+    def _repo_relative(cls, value: str) -> str:
+        """Relative paths mean the repository's (Ray workers do not share the caller's cwd)."""
+        local = REPO_ROOT / value
+        return str(local) if not value.startswith("/") and local.exists() else value
+
+
+def llm_configs(args: SpecServeArgs) -> list:
+    from ray.serve.llm import LLMConfig
+
+    from deployment.servers import SpecServeLLMServer
+
+    common: dict[str, Any] = {
+        "deployment_config": args.deployment_config,
+        "server_cls": SpecServeLLMServer,
+        "log_engine_metrics": True,
+    }
+    if args.accelerator == "cpu":
+        common["accelerator_config"] = {"kind": "cpu"}
+    elif args.accelerator_type:
+        common["accelerator_type"] = args.accelerator_type
+    if args.placement_bundles:
+        common["placement_group_config"] = {"bundles": args.placement_bundles}
+
+    # Streaming responses end with a usage chunk, which carries the speculation summary.
+    engine = args.engine_kwargs | {"enable_force_include_usage": True}
+    speculative = engine | speculative_engine_kwargs(
+        args.draft_model, args.num_speculative_tokens, **args.speculative_options)
+    return [
+        LLMConfig(model_loading_config={"model_id": args.speculative_model_id, "model_source": args.target_model},
+                  engine_kwargs=speculative, **common),
+        LLMConfig(model_loading_config={"model_id": args.baseline_model_id, "model_source": args.target_model},
+                  engine_kwargs=engine, **common),
+    ]
+
+
+def build_app(args: SpecServeArgs):
+    """Both models behind one OpenAI ingress: /v1/completions, /v1/chat/completions, /v1/models,
+    /health, and /v1/specserve/unfinished_requests (per model, for drain checks)."""
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+    from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
+    from ray.serve.llm import build_llm_deployment
+    from ray.serve.llm.ingress import make_fastapi_ingress
+
+    from deployment.servers import SpecServeIngress
+
+    configs = llm_configs(args)
+    endpoints = {k: v for k, v in DEFAULT_ENDPOINTS.items() if k in ("models", "model_data", "completions", "chat")}
+    endpoints["health"] = lambda app: app.get("/health")
+    endpoints["unfinished_requests"] = lambda app: app.get("/v1/specserve/unfinished_requests")
+    ingress = make_fastapi_ingress(SpecServeIngress, endpoint_map=endpoints)
+    options = maybe_apply_llm_deployment_config_defaults(
+        SpecServeIngress.get_deployment_options(configs), args.ingress_deployment_config)
+    return serve.deployment(ingress, **options).bind(
+        llm_deployments={c.model_id: build_llm_deployment(c) for c in configs},
+        model_cards={c.model_id: to_model_metadata(c.model_id, c) for c in configs},
+    )

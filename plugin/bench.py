@@ -1,0 +1,106 @@
+"""`specserve bench`: plain vLLM, this plugin, vLLM's own `draft_model` and `ngram` methods, in one
+process and one run, on the held-out prompts: output tokens/s, mean acceptance length and acceptance
+rate per configuration, batch size and temperature.
+
+vLLM's own methods are measured as shipped. On the CPU build their output at temperature > 0 does not
+follow the target's distribution (see the README), so their tokens/s there is not a like-for-like
+comparison; it is reported anyway, marked.
+"""
+
+import json
+import time
+
+from plugin.demo.prompts import load_prompts
+from plugin.engines import engine_kwargs, shutdown_llm
+from plugin.paths import DEFAULT_DRAFT
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def configurations(k: int) -> dict[str, dict]:
+    return {
+        "plain": engine_kwargs(False),
+        "specserve": engine_kwargs(True, k),
+        "vllm-draft_model": engine_kwargs(False) | {"speculative_config": {
+            "method": "draft_model", "model": str(DEFAULT_DRAFT), "num_speculative_tokens": k}},
+        "vllm-ngram": engine_kwargs(False) | {"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}},
+    }
+
+
+def _counters(llm) -> dict[str, float]:
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += metric.value
+    return totals
+
+
+def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, requests_per_point, log):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(seed=0, **kwargs)
+    rows = []
+    try:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        for temperature in temperatures:
+            for batch in batch_sizes:
+                params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
+                n_batches = max(1, requests_per_point // batch)
+                before = _counters(llm)
+                start = time.perf_counter()
+                tokens = 0
+                for b in range(n_batches):
+                    chunk = [prompts[(b * batch + i) % len(prompts)] for i in range(batch)]
+                    outs = llm.generate(chunk, params, use_tqdm=False)
+                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                seconds = time.perf_counter() - start
+                after = _counters(llm)
+                drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
+                row = {
+                    "config": name, "batch": batch, "temperature": temperature,
+                    "requests": n_batches * batch, "output_tokens": tokens, "seconds": round(seconds, 3),
+                    "tokens_per_s": round(tokens / seconds, 2),
+                    "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+                    "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+                }
+                rows.append(row)
+                log(row)
+    finally:
+        shutdown_llm(llm)
+    return rows
+
+
+def print_table(rows):
+    plain = {(r["batch"], r["temperature"]): r["tokens_per_s"] for r in rows if r["config"] == "plain"}
+    print(f"{'config':<18}{'batch':>6}{'temp':>6}{'tok/s':>10}{'vs plain':>10}{'accept len':>12}{'accept rate':>12}")
+    for r in rows:
+        base = plain.get((r["batch"], r["temperature"]))
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        flag = " *" if r["config"].startswith("vllm-") and r["temperature"] > 0 else ""
+        print(f"{r['config']:<18}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}{ratio:>10}{mal:>12}{rate:>12}{flag}")
+    print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
+          "distribution; not like for like.")
+
+
+def main(args) -> int:
+    import sys
+
+    prompts = [p["prompt"] for p in load_prompts()]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    configs = configurations(args.k)
+    names = args.configs.split(",") if args.configs else list(configs)
+    rows = []
+    for name in names:
+        print(f"[bench] {name}: starting engine", file=sys.stderr, flush=True)
+        rows += run_config(name, configs[name], prompts, batch_sizes, temperatures, args.new_tokens,
+                           args.requests, lambda r: print(f"[bench] {r}", file=sys.stderr, flush=True))
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"k": args.k, "new_tokens": args.new_tokens, "rows": rows}, f, indent=2)
+    return 0

@@ -1,0 +1,117 @@
+"""The shipped demo pair, tokenizer and held-out prompts: offline loading, quality guards, no leakage."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugin.demo.corpus import is_held_out, read_source, split_files
+from plugin.demo.prompts import CATEGORIES, load_prompts
+from plugin.paths import MODELS_DIR, PROMPTS_FILE
+
+TARGET, DRAFT = MODELS_DIR / "target", MODELS_DIR / "draft"
+# Set from the trained pair (training_stats.json: target held-out loss ~LOSS, alpha ~ALPHA), with a
+# margin: broken or untrained weights give a loss near ln(4096) = 8.3 and alpha far lower.
+MAX_TARGET_LOSS = 2.6
+MIN_DRAFT_ALPHA = 0.6
+EVAL_SLICE_TOKENS = 4096
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    old = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TARGET)
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval()
+    return target, draft
+
+
+def test_files_and_size():
+    for model in (TARGET, DRAFT):
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert (model / name).is_file(), model / name
+        assert json.loads((model / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    total = sum(f.stat().st_size for f in MODELS_DIR.rglob("*") if f.is_file())
+    assert total <= 60 * 2**20, f"models/ is {total / 2**20:.1f} MiB"
+
+
+def test_weights_are_bfloat16_and_draft_is_at_most_a_twentieth(models):
+    from safetensors import safe_open
+
+    for model in (TARGET, DRAFT):
+        with safe_open(model / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    target, draft = models
+    n_target = sum(p.numel() for p in target.parameters())
+    n_draft = sum(p.numel() for p in draft.parameters())
+    assert 20e6 <= n_target <= 30e6 and n_draft * 20 <= n_target
+
+
+def test_tokenizer_round_trips_held_out_text(tokenizer):
+    _, held_out = split_files()
+    for rel in held_out:
+        text = read_source(rel)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text, rel
+    assert tokenizer.eos_token == "<|endoftext|>" and 4000 <= len(tokenizer) <= 8192
+
+
+def held_out_slice(tokenizer) -> torch.Tensor:
+    _, held_out = split_files()
+    ids = tokenizer(read_source(held_out[0]) + read_source(held_out[1]), add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids[:EVAL_SLICE_TOKENS]).view(8, -1)
+
+
+@torch.no_grad()
+def test_quality_guard(tokenizer, models):
+    """Target loss and draft acceptance on a fixed held-out slice of 4,096 tokens."""
+    target, draft = models
+    x = held_out_slice(tokenizer)
+    logits_p = target(input_ids=x).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits_p.flatten(0, 1), x[:, 1:].flatten()).item()
+    p = torch.softmax(logits_p, -1)
+    q = torch.softmax(draft(input_ids=x).logits[:, :-1], -1)
+    alpha = torch.minimum(p, q).sum(-1).mean().item()
+    assert loss < MAX_TARGET_LOSS, f"target held-out loss {loss:.3f}"
+    assert alpha > MIN_DRAFT_ALPHA, f"draft alpha {alpha:.3f}"
+
+
+def test_prompts_file():
+    prompts = load_prompts()
+    assert len(prompts) >= 200
+    assert len({p["id"] for p in prompts}) == len(prompts)
+    assert {p["category"] for p in prompts} == set(CATEGORIES)
+    train_files, _ = split_files()
+    training_text = "\n".join(read_source(f) for f in train_files)
+    for p in prompts:
+        assert set(p) >= {"id", "category", "prompt"}
+        assert is_held_out(p["source"]) and p["prompt"] in read_source(p["source"])
+        assert p["prompt"] not in training_text, p["id"]
+    assert PROMPTS_FILE.read_text().count("\n") == len(prompts)
+
+
+def test_split_is_by_file_and_stable():
+    train, held_out = split_files()
+    assert not set(train) & set(held_out) and len(held_out) >= 20
+    assert all(is_held_out(f) for f in held_out) and not any(is_held_out(f) for f in train)

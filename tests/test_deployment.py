@@ -1,0 +1,160 @@
+"""The Ray Serve application of serve_config.yaml, started with `serve run`, on loopback."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from plugin.demo.prompts import load_prompts
+from plugin.paths import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+BASE = "http://127.0.0.1:8000"
+SPEC, BASELINE = "specserve-speculative", "specserve-baseline"
+READY_TIMEOUT_S = 400
+
+
+def wait_ready(proc, log: Path) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < READY_TIMEOUT_S:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{BASE}/health", timeout=5).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def serve_app(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    serve = Path(os.sys.executable).with_name("serve")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(serve), "run", "serve_config.yaml"], cwd=REPO_ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ready_s = wait_ready(proc, log)
+        print(f"serve run serve_config.yaml ready in {ready_s:.0f} s")
+        yield BASE
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([str(serve.with_name("ray")), "stop", "--force"], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def client(serve_app):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{serve_app}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def prompt(i=0):
+    return load_prompts(category="function_body")[i]["prompt"]
+
+
+def test_models_and_health(serve_app, client):
+    assert {m.id for m in client.models.list().data} == {SPEC, BASELINE}
+    health = httpx.get(f"{serve_app}/health").json()
+    assert health["status"] == "ok"
+
+
+def test_completion_chat_and_stream_on_both_models(client):
+    texts = {}
+    for model in (SPEC, BASELINE):
+        done = client.completions.create(model=model, prompt=prompt(), max_tokens=32, temperature=0)
+        texts[model] = done.choices[0].text
+        assert done.usage.completion_tokens == 32 or done.choices[0].finish_reason == "stop"
+        chat = client.chat.completions.create(model=model, max_tokens=16, temperature=0,
+                                              messages=[{"role": "user", "content": prompt(1)}])
+        assert chat.choices[0].message.content
+        chunks = list(client.completions.create(model=model, prompt=prompt(), max_tokens=32, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[model]
+    assert texts[SPEC] == texts[BASELINE]
+
+
+def test_speculation_summary_on_speculative_responses(client):
+    done = client.completions.create(model=SPEC, prompt=prompt(2), max_tokens=48, temperature=0)
+    summary = done.model_extra["metrics"]["speculative_decoding"]
+    assert summary["num_draft_tokens"] > 0 and summary["num_accepted_draft_tokens"] >= 0
+    chunks = list(client.completions.create(model=SPEC, prompt=prompt(2), max_tokens=48, temperature=0,
+                                            stream=True))
+    final = chunks[-1].model_extra.get("metrics") or {}
+    assert final["speculative_decoding"]["num_draft_tokens"] > 0
+    baseline = client.completions.create(model=BASELINE, prompt=prompt(2), max_tokens=8, temperature=0)
+    assert not (baseline.model_extra.get("metrics") or {}).get("speculative_decoding")
+
+
+BAD_INPUTS = [
+    ("malformed JSON", "/v1/completions", b'{"model": "specserve-speculative", "prompt": '),
+    ("unknown model", "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 4}),
+    ("missing prompt", "/v1/completions", {"model": SPEC, "max_tokens": 4}),
+    ("missing messages", "/v1/chat/completions", {"model": SPEC, "max_tokens": 4}),
+    ("max_tokens 0", "/v1/completions", {"model": SPEC, "prompt": "x", "max_tokens": 0}),
+    ("max_tokens negative", "/v1/completions", {"model": SPEC, "prompt": "x", "max_tokens": -3}),
+    ("max_tokens beyond context", "/v1/completions", {"model": SPEC, "prompt": "x", "max_tokens": 5000}),
+    ("prompt beyond context", "/v1/completions", {"model": SPEC, "prompt": "def f(x):\n" * 2000, "max_tokens": 4}),
+    ("negative temperature", "/v1/completions", {"model": SPEC, "prompt": "x", "temperature": -1}),
+    ("top_p 0", "/v1/completions", {"model": SPEC, "prompt": "x", "top_p": 0}),
+    ("top_p above 1", "/v1/chat/completions",
+     {"model": BASELINE, "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}),
+    ("n 0", "/v1/completions", {"model": SPEC, "prompt": "x", "n": 0}),
+    ("n > 1 greedy", "/v1/completions", {"model": SPEC, "prompt": "x", "n": 3, "temperature": 0}),
+]
+
+
+@pytest.mark.parametrize("name,route,body", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_style_4xx(serve_app, name, route, body):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{serve_app}{route}", timeout=60, **kwargs)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    error = response.json()["error"]
+    assert error["message"], error
+    # The server is still up and answering.
+    ok = httpx.post(f"{serve_app}/v1/completions", json={"model": BASELINE, "prompt": "import", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_disconnect_mid_stream_aborts_the_request(serve_app):
+    body = {"model": SPEC, "prompt": prompt(3), "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{serve_app}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        counts = httpx.get(f"{serve_app}/v1/specserve/unfinished_requests").json()
+        if counts[SPEC] == 0:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the engine still holds the request after the client left: {counts}")
+
+
+def test_gpu_profile_builds_without_a_gpu():
+    from deployment.app import SpecServeArgs, build_app, llm_configs
+
+    config = yaml.safe_load((REPO_ROOT / "configs" / "gpu.yaml").read_text())
+    args = SpecServeArgs.model_validate(config["applications"][0]["args"])
+    configs = llm_configs(args)
+    assert [c.model_id for c in configs] == ["qwen2.5-7b-speculative", "qwen2.5-7b-baseline"]
+    spec = configs[0].engine_kwargs
+    assert spec["speculative_config"]["method"] == "custom_class"
+    assert spec["additional_config"]["specserve"]["draft_model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert configs[0].accelerator_type == "H100"
+    assert configs[0].deployment_config["autoscaling_config"]["max_replicas"] == 8
+    assert build_app(args) is not None
+    json.dumps(config)  # plain data, nothing but configuration
