@@ -56,6 +56,12 @@ def _cmd_make_prompts(args) -> int:
     return 0
 
 
+def _cmd_loadtest(args) -> int:
+    from loadtest._runner import main as loadtest
+
+    return loadtest(args)
+
+
 def _cmd_train_demo(args) -> int:
     from plugin.demo.train import train_demo
 
@@ -101,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-prompts", help="cut the held-out prompts file from held-out stdlib files")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "loadtest" / "prompts.jsonl"))
     p.set_defaults(func=_cmd_make_prompts)
+
+    p = sub.add_parser("loadtest", help="Locust, headless: speculative vs baseline at each concurrency")
+    from loadtest._runner import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_loadtest)
 
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models"))

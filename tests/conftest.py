@@ -19,3 +19,17 @@ def spec_llm():
     llm = build_llm(speculative=True, seed=0)
     yield llm
     shutdown_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """`serve run serve_config.yaml` itself, started once for the session (shared with the load tests)."""
+    from deployment.launch import ServeProcess
+
+    server = ServeProcess("serve_config.yaml")
+    try:
+        ready_s = server.wait_ready()
+        print(f"serve run serve_config.yaml ready in {ready_s:.0f} s")
+        yield server.url
+    finally:
+        server.stop()

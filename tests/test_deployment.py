@@ -1,11 +1,7 @@
 """The Ray Serve application of serve_config.yaml, started with `serve run`, on loopback."""
 
 import json
-import os
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,43 +12,7 @@ from plugin.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-BASE = "http://127.0.0.1:8000"
 SPEC, BASELINE = "specserve-speculative", "specserve-baseline"
-READY_TIMEOUT_S = 400
-
-
-def wait_ready(proc, log: Path) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < READY_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{BASE}/health", timeout=5).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
-@pytest.fixture(scope="session")
-def serve_app(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    serve = Path(os.sys.executable).with_name("serve")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(serve), "run", "serve_config.yaml"], cwd=REPO_ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        ready_s = wait_ready(proc, log)
-        print(f"serve run serve_config.yaml ready in {ready_s:.0f} s")
-        yield BASE
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run([str(serve.with_name("ray")), "stop", "--force"], capture_output=True)
 
 
 @pytest.fixture(scope="session")

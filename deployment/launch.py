@@ -1,0 +1,55 @@
+"""Start and stop `serve run <config>` as a child process: for the test suite and `specserve loadtest`."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from plugin.paths import REPO_ROOT
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def is_ready(url: str = DEFAULT_URL) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class ServeProcess:
+    def __init__(self, config: str = "serve_config.yaml", log_path: Path | None = None, url: str = DEFAULT_URL):
+        self.url = url
+        self.log_path = Path(log_path or REPO_ROOT / "out" / "serve.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        bin_dir = Path(sys.executable).parent
+        self.serve, self.ray = bin_dir / "serve", bin_dir / "ray"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([str(self.serve), "run", config], cwd=REPO_ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 400) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if is_ready(self.url):
+                return time.monotonic() - start
+            time.sleep(1)
+        raise TimeoutError(f"not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        subprocess.run([str(self.ray), "stop", "--force"], capture_output=True)
