@@ -57,18 +57,18 @@ class DraftModel:
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed)
         self.final_norm = w["model.norm.weight"]
+        # q/k/v and gate/up are fused into one matmul each: a small draft is bound by per-op overhead.
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
+            biases = [w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             self.layers.append({
                 "in_norm": w[p + "input_layernorm.weight"],
                 "post_norm": w[p + "post_attention_layernorm.weight"],
-                "q": w[p + "self_attn.q_proj.weight"], "q_b": w.get(p + "self_attn.q_proj.bias"),
-                "k": w[p + "self_attn.k_proj.weight"], "k_b": w.get(p + "self_attn.k_proj.bias"),
-                "v": w[p + "self_attn.v_proj.weight"], "v_b": w.get(p + "self_attn.v_proj.bias"),
+                "qkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                "qkv_b": torch.cat(biases) if biases[0] is not None else None,
                 "o": w[p + "self_attn.o_proj.weight"],
-                "gate": w[p + "mlp.gate_proj.weight"],
-                "up": w[p + "mlp.up_proj.weight"],
+                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
                 "down": w[p + "mlp.down_proj.weight"],
             })
 
@@ -93,7 +93,7 @@ class DraftModel:
             self.v_cache[:, dst] = self.v_cache[:, src]
 
     def _rms_norm(self, x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
     @staticmethod
     def _rotate(x, cos, sin):
@@ -114,13 +114,15 @@ class DraftModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         rows = torch.arange(batch, device=self.device).unsqueeze(1)
         groups = self.num_heads // self.num_kv_heads
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
         x = self.embed[tokens]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
-            q = F.linear(h, layer["q"], layer["q_b"]).view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
-            k = F.linear(h, layer["k"], layer["k_b"]).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = F.linear(h, layer["v"], layer["v_b"]).view(batch, width, self.num_kv_heads, self.head_dim)
+            q, k, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = q.view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, width, self.num_kv_heads, self.head_dim)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             self.k_cache[i][rows, :, positions] = k.transpose(1, 2)
             self.v_cache[i][rows, :, positions] = v
@@ -132,6 +134,7 @@ class DraftModel:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, -1), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
-            x = x + F.linear(F.silu(F.linear(h, layer["gate"])) * F.linear(h, layer["up"]), layer["down"])
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
         x = x[torch.arange(batch, device=self.device), last]
         return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()

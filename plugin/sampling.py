@@ -62,6 +62,11 @@ def processed_probs(
     Rows with temperature 0 are greedy and get a one-hot at their argmax."""
     logits = logits.float()
     greedy = temperature <= _EPS
+    # Filters that no row uses are skipped: the sort they need is the costliest step here.
+    if top_k is not None and not bool((top_k > 0).logical_and(top_k < logits.size(-1)).any()):
+        top_k = None
+    if top_p is not None and not bool((top_p < 1).any()):
+        top_p = None
     scaled = logits / torch.where(greedy, 1.0, temperature.float()).unsqueeze(-1)
     probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
     if greedy.any():
