@@ -127,11 +127,11 @@ def test_no_state_left_after_200_requests(spec_llm):
 
 
 def test_preemption_keeps_greedy_output(plain_llm):
-    """A KV cache of 64 blocks for 16 concurrent 300-token sequences forces preemption."""
+    """16 KV-cache blocks (2,048 tokens on CPU) for 16 concurrent sequences of up to 430 tokens force preemption."""
     from plugin.engines import build_llm, shutdown_llm
 
     prompts = held_out_prompts(16)
-    small = build_llm(speculative=True, seed=0, num_gpu_blocks_override=64, max_num_seqs=16)
+    small = build_llm(speculative=True, seed=0, num_gpu_blocks_override=16, max_num_seqs=16)
     try:
         spec = small.generate(prompts, greedy(128))
         preemptions = sum(m.value for m in small.get_metrics() if m.name == "vllm:num_preemptions")
