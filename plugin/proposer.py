@@ -190,7 +190,9 @@ class DraftProposer:
         temperature, top_k, top_p, generators = self._sampling_params(rows)
         greedy = temperature <= 0
         drafts = torch.zeros(rows, k, dtype=torch.long, device=self.device)
-        q = torch.zeros(len(sampled_token_ids), k, self.target_vocab, device=self.device)
+        # Greedy requests are verified by argmax alone: q is only kept when some request samples.
+        keep_q = not bool(greedy.all())
+        q = torch.zeros(len(sampled_token_ids), k, self.target_vocab, device=self.device) if keep_q else None
         tokens = torch.from_numpy(feed).to(self.device)
         positions = torch.from_numpy(start).to(self.device)
         last = torch.from_numpy(lengths - 1).to(self.device)
@@ -199,7 +201,8 @@ class DraftProposer:
             probs = processed_probs(logits, temperature, top_k, top_p)
             token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))
             drafts[:, j] = token
-            q[:rows, j] = probs
+            if keep_q:
+                q[:rows, j] = probs
             positions = positions + last + 1
             tokens, last = token.unsqueeze(1), torch.zeros_like(last)
 

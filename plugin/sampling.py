@@ -94,6 +94,18 @@ def sample_from(probs: torch.Tensor, generators: Sequence[Optional[torch.Generat
     return (probs / exponential.clamp_min(_EPS)).argmax(dim=-1)
 
 
+def greedy_verify(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification of greedy requests: drafts [B, K] (padded -1) are accepted while they equal the
+    target's argmax [B, K + 1]; then the argmax at the first mismatch (or the bonus position) follows.
+    Returns (output_token_ids [B, K + 1] padded with -1, num_accepted [B])."""
+    batch, k = draft_token_ids.shape
+    matches = (draft_token_ids == target_argmax[:, :k]) & (draft_token_ids >= 0)
+    num_accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    positions = torch.arange(k + 1, device=draft_token_ids.device).unsqueeze(0)
+    output = torch.where(positions <= num_accepted.unsqueeze(-1), target_argmax, PLACEHOLDER_TOKEN_ID)
+    return output, num_accepted
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,
     draft_probs: Optional[torch.Tensor],

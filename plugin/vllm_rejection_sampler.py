@@ -18,7 +18,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-from plugin.sampling import pad_ragged, processed_probs, rejection_sample
+from plugin.sampling import greedy_verify, pad_ragged, processed_probs, rejection_sample
 
 
 def _per_token(values: torch.Tensor | None, num_draft_tokens: list[int]) -> torch.Tensor | None:
@@ -47,26 +47,28 @@ class ExactRejectionSampler(RejectionSampler):
         target_logits = raw_target_logits if self.is_processed_logprobs_mode else raw_target_logits.clone()
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
 
+        rows = torch.arange(batch, device=logits.device)
+        bonus_at = torch.as_tensor(num_draft, device=logits.device)
+        drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)
         if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-            temperature = torch.zeros(batch, device=logits.device)
+            # Greedy only: the argmax decides and no distribution is needed; the bonus is vLLM's argmax.
+            target_argmax = pad_ragged(target_logits.argmax(-1), num_draft, width + 1)
+            target_argmax[rows, bonus_at] = bonus_token_ids
+            output_token_ids, _ = greedy_verify(drafts, target_argmax)
         else:
             temperature = sampling_metadata.temperature
-        greedy = temperature <= 0
-        target_probs = processed_probs(
-            target_logits,
-            _per_token(temperature, num_draft),
-            _per_token(sampling_metadata.top_k, num_draft),
-            _per_token(sampling_metadata.top_p, num_draft),
-        )
-        # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
-        padded_target = pad_ragged(target_probs, num_draft, width + 1)
-        bonus_one_hot = torch.nn.functional.one_hot(bonus_token_ids, target_probs.size(-1)).to(padded_target.dtype)
-        padded_target[torch.arange(batch, device=logits.device), torch.as_tensor(num_draft, device=logits.device)] = bonus_one_hot
-
-        drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)
-        padded_draft_probs = None if draft_probs is None else pad_ragged(draft_probs.float(), num_draft, width)
-        generators = [sampling_metadata.generators.get(i) for i in range(batch)]
-        output_token_ids, _ = rejection_sample(drafts, padded_draft_probs, padded_target, greedy, generators)
+            target_probs = processed_probs(
+                target_logits,
+                _per_token(temperature, num_draft),
+                _per_token(sampling_metadata.top_k, num_draft),
+                _per_token(sampling_metadata.top_p, num_draft),
+            )
+            # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
+            padded_target = pad_ragged(target_probs, num_draft, width + 1)
+            padded_target[rows, bonus_at] = torch.nn.functional.one_hot(bonus_token_ids, target_probs.size(-1)).float()
+            padded_draft_probs = None if draft_probs is None else pad_ragged(draft_probs.float(), num_draft, width)
+            generators = [sampling_metadata.generators.get(i) for i in range(batch)]
+            output_token_ids, _ = rejection_sample(drafts, padded_draft_probs, padded_target, temperature <= 0, generators)
         output_token_ids = output_token_ids.to(torch.int32)
 
         logprobs_tensors = None

@@ -7,6 +7,7 @@ from scipy import stats
 
 from plugin.sampling import (
     apply_top_k_top_p,
+    greedy_verify,
     pad_ragged,
     processed_probs,
     rejection_sample,
@@ -294,3 +295,14 @@ def test_top_k_top_p_and_greedy_processing():
 def test_pad_ragged():
     flat = torch.arange(5).float()
     assert pad_ragged(flat, [2, 0, 3], 3, fill=-1).tolist() == [[0, 1, -1], [-1, -1, -1], [2, 3, 4]]
+
+
+def test_greedy_verify_matches_rejection_sample_on_greedy_rows():
+    drafts, q, p = _random_case(6, seed=9)
+    drafts[1] = p[1, :4].argmax(-1)  # all accepted
+    drafts[2, 2:] = -1  # ragged
+    greedy = torch.ones(6, dtype=torch.bool)
+    expected, accepted = rejection_sample(drafts, q, p, greedy)
+    out, n = greedy_verify(drafts, p.argmax(-1))
+    assert out.tolist() == expected.tolist() and n.tolist() == accepted.tolist()
+    assert n[1].item() == 4

@@ -104,3 +104,14 @@ def test_mixed_ragged_batch(sampler):
     assert out[1, 0] >= 0 and out[1, 1:].tolist() == [-1, -1, -1]
     # Seeded: the same tokens every time.
     assert out[2].tolist() == run()[2].tolist()
+
+
+def test_all_greedy_batch(sampler):
+    """The greedy-only path: accepted while equal to the argmax, then the argmax; the bonus when all pass."""
+    v = 6
+    torch.manual_seed(1)
+    logits = torch.randn(3 + 1 + 2 + 1, v)
+    argmax = logits.argmax(-1).tolist()
+    drafts = [[argmax[0], (argmax[1] + 1) % v, argmax[2]], [argmax[4], argmax[5]]]
+    out = sampler(spec_metadata(drafts), None, logits.clone(), sampling_metadata([0.0, 0.0])).sampled_token_ids
+    assert out.tolist() == [[argmax[0], argmax[1], -1, -1], [argmax[4], argmax[5], argmax[6], -1]]
