@@ -139,8 +139,6 @@ def rejection_sample(
     q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u = _uniform((batch, k), device, generators, num_draft.tolist())
     accepted = u * q_x < p_x
-    target_argmax = target_probs.argmax(dim=-1)  # [B, K + 1]
-    accepted = torch.where(greedy.unsqueeze(-1), drafts == target_argmax[:, :k], accepted)
     num_accepted = (accepted & valid).long().cumprod(dim=1).sum(dim=1)
 
     # One more token at position a = num_accepted: recovered from max(0, p_a - q_a) if a draft token
@@ -158,12 +156,15 @@ def rejection_sample(
     # p = q up to rounding leaves no residual; any draw from p is then exact.
     residual = torch.where(residual.sum(-1, keepdim=True) > _EPS, residual, p_next)
     next_token = sample_from(residual, generators)
-    next_token = torch.where(greedy, target_argmax[rows, num_accepted], next_token)
 
     positions = torch.arange(k + 1, device=device).unsqueeze(0)
     output = torch.cat([drafts, drafts.new_zeros(batch, 1)], dim=1)
     output = torch.where(positions < num_accepted.unsqueeze(-1), output, PLACEHOLDER_TOKEN_ID)
     output[rows, num_accepted] = next_token
+    if greedy.any():
+        greedy_output, greedy_accepted = greedy_verify(draft_token_ids, target_probs.argmax(dim=-1))
+        output = torch.where(greedy.unsqueeze(-1), greedy_output, output)
+        num_accepted = torch.where(greedy, greedy_accepted, num_accepted)
     return output, num_accepted
 
 
