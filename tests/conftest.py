@@ -1,9 +1,11 @@
-"""Shared engines: one plain and one speculative vLLM engine on the shipped demo pair, for the session."""
+"""Shared engines: one plain and one speculative vLLM engine on the shipped demo pair (for the module that
+uses them, so their memory is free afterwards), and the Serve application of serve_config.yaml (for the
+session: the deployment and the load tests share it)."""
 
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def plain_llm():
     from plugin.engines import build_llm, shutdown_llm
 
@@ -12,7 +14,7 @@ def plain_llm():
     shutdown_llm(llm)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def spec_llm():
     from plugin.engines import build_llm, shutdown_llm
 
