@@ -46,6 +46,14 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
+        """Stop serve run, its Ray cluster and the vLLM engine processes under it: `ray stop` alone
+        leaves the engines that the replicas spawned running."""
+        import psutil
+
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
@@ -53,3 +61,9 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         subprocess.run([str(self.ray), "stop", "--force"], capture_output=True)
+        for process in family:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(family, timeout=10)
