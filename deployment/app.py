@@ -9,14 +9,14 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, Field, field_validator
 
 from plugin.config import speculative_engine_kwargs
-from plugin.engines import DEMO_ENGINE_KWARGS
+from plugin.engines import DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS
 from plugin.paths import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
 
 
 class SpecServeArgs(BaseModel):
     target_model: str = Field(DEFAULT_TARGET, description="path or hub id of the target")
     draft_model: str = Field(DEFAULT_DRAFT, description="path or hub id of the draft (same tokenizer)")
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    num_speculative_tokens: int = Field(DEMO_NUM_SPECULATIVE_TOKENS, ge=1, le=16)
     speculative_model_id: str = "specserve-speculative"
     baseline_model_id: str = "specserve-baseline"
     accelerator: Literal["cpu", "gpu"] = "cpu"

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench_sampler)
 
     p = sub.add_parser("bench", help="plain vLLM vs this plugin vs vLLM's draft_model and ngram methods")
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=6, help="num_speculative_tokens (the demo pair's default)")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--new-tokens", type=int, default=128)
