@@ -6,19 +6,30 @@ side by side behind one OpenAI-compatible route, as two model ids.
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployment.defaults import (
+    BASELINE_MODEL_ID,
+    DEMO_DRAFT,
+    DEMO_ENGINE_KWARGS,
+    DEMO_NUM_SPECULATIVE_TOKENS,
+    DEMO_TARGET,
+    REPO_ROOT,
+    SPECULATIVE_MODEL_ID,
+)
 from plugin.config import speculative_engine_kwargs
-from plugin.engines import DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS
-from plugin.paths import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
 
 
 class SpecServeArgs(BaseModel):
-    target_model: str = Field(DEFAULT_TARGET, description="path or hub id of the target")
-    draft_model: str = Field(DEFAULT_DRAFT, description="path or hub id of the draft (same tokenizer)")
+    """The application's arguments; every default is the embedded default (`deployment.defaults`)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key in the YAML is an error, not a no-op
+
+    target_model: str = Field(DEMO_TARGET, description="path or hub id of the target")
+    draft_model: str = Field(DEMO_DRAFT, description="path or hub id of the draft (same tokenizer)")
     num_speculative_tokens: int = Field(DEMO_NUM_SPECULATIVE_TOKENS, ge=1, le=16)
-    speculative_model_id: str = "specserve-speculative"
-    baseline_model_id: str = "specserve-baseline"
+    speculative_model_id: str = Field(SPECULATIVE_MODEL_ID, min_length=1)
+    baseline_model_id: str = Field(BASELINE_MODEL_ID, min_length=1)
     accelerator: Literal["cpu", "gpu"] = "cpu"
     accelerator_type: Optional[str] = Field(None, description="e.g. H100; GPU only")
     engine_kwargs: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_ENGINE_KWARGS),
@@ -38,6 +49,13 @@ class SpecServeArgs(BaseModel):
         """Relative paths mean the repository's (Ray workers do not share the caller's cwd)."""
         local = REPO_ROOT / value
         return str(local) if not value.startswith("/") and local.exists() else value
+
+    @model_validator(mode="after")
+    def _two_model_ids(self) -> "SpecServeArgs":
+        if self.baseline_model_id == self.speculative_model_id:
+            raise ValueError(f"baseline_model_id must differ from speculative_model_id (both are "
+                             f"{self.baseline_model_id!r}): one id cannot name two models")
+        return self
 
 
 def llm_configs(args: SpecServeArgs) -> list:
@@ -73,12 +91,10 @@ def build_app(args: SpecServeArgs):
     """Both models behind one OpenAI ingress: /v1/completions, /v1/chat/completions, /v1/models,
     /health, and /v1/specserve/unfinished_requests (per model, for drain checks)."""
     from ray import serve
-    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
-    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
-    from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import make_fastapi_ingress
 
+    from deployment._ray_internals import DEFAULT_ENDPOINTS, maybe_apply_llm_deployment_config_defaults, to_model_metadata
     from deployment.servers import SpecServeIngress
 
     configs = llm_configs(args)

@@ -15,12 +15,22 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
 
 
-def summarize(samples: list[dict], durations: dict) -> dict:
-    """samples: dicts with target, concurrency, ok, e2e_s, tpot_s, ttft_s, output_tokens, drafted/accepted.
-    durations: {(target, concurrency): seconds the level ran}. Returns {target: {concurrency: stats}}."""
+def measured_seconds(rows: list[dict]) -> float:
+    """The window a level was measured over: from its first request's start to its last one's end.
+    Locust's run time is only nominal: requests in flight at its end are allowed to finish."""
+    starts = [float(s["start"]) for s in rows]
+    ends = [float(s["start"]) + float(s["e2e_s"]) for s in rows]
+    return max(ends) - min(starts)
+
+
+def summarize(samples: list[dict]) -> dict:
+    """samples: dicts with target, concurrency, ok, start (epoch s), e2e_s, tpot_s, ttft_s, output_tokens,
+    drafted/accepted tokens. Returns {target: {concurrency: stats}}; rates count over the measured window."""
+    levels = sorted({(s["target"], int(s["concurrency"])) for s in samples})
     out: dict = {}
-    for (target, conc), seconds in sorted(durations.items()):
+    for target, conc in levels:
         rows = [s for s in samples if s["target"] == target and int(s["concurrency"]) == conc]
+        seconds = measured_seconds(rows)
         ok = [s for s in rows if str(s["ok"]) in ("True", "true", "1")]
         e2e = [float(s["e2e_s"]) for s in ok]
         tpot = [float(s["tpot_s"]) for s in ok]
@@ -38,6 +48,7 @@ def summarize(samples: list[dict], durations: dict) -> dict:
             "output_tokens_per_s": tokens / seconds,
             "requests_per_s": len(ok) / seconds,
             "acceptance_rate": accepted / drafted if drafted else None,
+            "measured_s": seconds,
         }
     return out
 
@@ -85,12 +96,12 @@ def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
     lines = ["# specserve load test", ""]
     for k, v in extra.items():
         lines.append(f"- {k}: {v}")
-    lines += ["", "| target | concurrency | requests | failures | P50 e2e s | P95 e2e s | P50 TPOT ms | "
-              "output tok/s | acceptance |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| target | concurrency | requests | failures | measured s | P50 e2e s | P95 e2e s | P50 TPOT ms | "
+              "output tok/s | acceptance |", "|---|---|---|---|---|---|---|---|---|---|"]
     for target, levels in summary.items():
         for c, s in levels.items():
             acc = "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
-            lines.append(f"| {target} | {c} | {s['requests']} | {s['failures']} | {s['p50_e2e_s']:.3f} | "
+            lines.append(f"| {target} | {c} | {s['requests']} | {s['failures']} | {s['measured_s']:.1f} | {s['p50_e2e_s']:.3f} | "
                          f"{s['p95_e2e_s']:.3f} | {s['p50_tpot_s'] * 1e3:.1f} | {s['output_tokens_per_s']:.1f} | {acc} |")
     lines += ["", "| concurrency | P50 e2e speed-up | throughput ratio |", "|---|---|---|"]
     for c, r in speed["by_concurrency"].items():

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from plugin.demo.prompts import load_prompts
+from loadtest import load_prompts
 
 _PROMPTS = None
 

@@ -3,6 +3,10 @@
     locust -f loadtest/ --host http://127.0.0.1:8000                    # web UI
     locust -f loadtest/ --host http://127.0.0.1:8000 --headless -u 8 -t 60s SpeculativeUser
     locust -f loadtest/ ... --tags baseline                             # or select by tag
+    locust -f loadtest/ ... --speculative-model M1 --baseline-model M2 --max-tokens 64 --temperature 0.7
+
+The options (`loadtest/_options.py`): --max-tokens, --temperature, --ignore-eos, --speculative-model,
+--baseline-model.
 
 Each request streams a completion of a held-out prompt and reports, per target, custom entries that
 Locust's percentiles and CSV files carry: `ttft` (time to first token), `tpot` (time per output token
@@ -16,16 +20,10 @@ import time
 
 from locust import HttpUser, constant, events, tag, task
 
+from loadtest import _options
 from loadtest._stream import Sample, SampleWriter, random_prompt, read_stream
 
-
-@events.init_command_line_parser.add_listener
-def _options(parser):
-    parser.add_argument("--max-tokens", type=int, default=128, env_var="SPECSERVE_MAX_TOKENS")
-    parser.add_argument("--temperature", type=float, default=0.0, env_var="SPECSERVE_TEMPERATURE")
-    parser.add_argument("--ignore-eos", type=str, default="true", env_var="SPECSERVE_IGNORE_EOS")
-    parser.add_argument("--speculative-model", default="specserve-speculative", env_var="SPECSERVE_SPEC_MODEL")
-    parser.add_argument("--baseline-model", default="specserve-baseline", env_var="SPECSERVE_BASELINE_MODEL")
+events.init_command_line_parser.add_listener(_options.add_to)
 
 
 _samples = SampleWriter(os.environ.get("SPECSERVE_SAMPLES_CSV"))
@@ -58,7 +56,7 @@ class _CompletionUser(HttpUser):
             "prompt": prompt["prompt"],
             "max_tokens": opts.max_tokens,
             "temperature": opts.temperature,
-            "ignore_eos": opts.ignore_eos.lower() in ("1", "true", "yes"),
+            "ignore_eos": opts.ignore_eos,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

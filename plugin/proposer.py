@@ -19,11 +19,13 @@ nothing: decoding continues without speculation, and the failure is logged and c
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from plugin import _vllm_internals as internals
 from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
@@ -36,7 +38,21 @@ class DraftFault(RuntimeError):
     """An injected drafting failure (fault_injection_rate)."""
 
 
+@dataclass
+class CatchUp:
+    """One step's plan, per batch row (up to max_rows): whether it drafts, the tokens it feeds the draft
+    before drafting (those its cache lacks), and the cache position of the first of them."""
+
+    drafting: np.ndarray  # [rows] bool
+    feed: list[np.ndarray]  # rows x [n_i] token ids
+    start: np.ndarray  # [rows] int64
+
+
 class DraftProposer:
+    """The draft model, its KV cache (rows follow vLLM's batch rows) and per-request draft generators.
+    vLLM builds it as `DraftProposer(vllm_config)` and calls `load_model` then `propose` every step;
+    `SpeculativeWorker` attaches the model runner and releases finished requests."""
+
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
         options: dict[str, Any] = (vllm_config.additional_config or {}).get(CONFIG_KEY) or {}
@@ -91,7 +107,16 @@ class DraftProposer:
 
     # --- proposing ---------------------------------------------------------------------------------
 
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],  # [batch][tokens emitted this step] per vLLM batch row
+        num_tokens_no_spec: np.ndarray,  # [>= batch] tokens each row really holds (no drafts)
+        token_ids_cpu: np.ndarray,  # [>= batch, max_model_len] each row's token ids
+        slot_mappings=None,  # vLLM's target KV slots; the draft keeps its own cache
+    ) -> list[list[int]]:
+        """vLLM's custom_class entry point, after each verification step: up to K draft tokens per
+        batch row ([] for a row that does not draft), and q [batch, K, vocab] (None when every request
+        is greedy) in the runner's draft-probability slot for the next step's verification."""
         batch = len(sampled_token_ids)
         if self.model is None or self.runner is None:
             return [[] for _ in range(batch)]
@@ -100,7 +125,8 @@ class DraftProposer:
         try:
             if self.fault_rate and self._fault_rng.random() < self.fault_rate:
                 raise DraftFault("injected draft fault")
-            drafts, q = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            req_ids = internals.batch_request_ids(self.runner, batch)
+            drafts, q = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception as exc:  # the draft must never fail a request: skip speculation this step
             self.stats["failures"] += 1
             self.valid[:] = 0  # a half-finished step may leave rows inconsistent: rebuild them
@@ -109,9 +135,18 @@ class DraftProposer:
             return [[] for _ in range(batch)]
         finally:
             self.stats["draft_seconds"] += time.perf_counter() - start
-        self.runner._draft_probs = q
-        self.runner._draft_prob_req_ids = list(self.runner.input_batch.req_ids[:batch])
+        internals.hand_draft_probs(self.runner, q, req_ids)
         return drafts
+
+    def _propose(self, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
+        """The step, in order: follow vLLM's batch rows, plan each row's catch-up, run the draft,
+        record what its cache now holds."""
+        self._follow_batch_rows(req_ids)
+        plan = self._plan_catch_up(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        if not plan.drafting.any():
+            return [[] for _ in sampled_token_ids], None
+        drafts, q = self._draft(plan, len(sampled_token_ids))
+        return self._commit(plan, drafts, len(sampled_token_ids)), q
 
     def _follow_batch_rows(self, req_ids: list[str]) -> None:
         """Move cache rows so that row i holds the request in vLLM's batch row i."""
@@ -136,88 +171,89 @@ class DraftProposer:
             if req_id not in kept:
                 del self.generators[req_id]
 
-    def _sampling_params(self, rows: int):
-        batch = self.runner.input_batch
-        temperature = torch.from_numpy(batch.temperature_cpu[:rows].astype(np.float32))
-        top_k = torch.from_numpy(batch.top_k_cpu[:rows].astype(np.int64))
-        top_p = torch.from_numpy(batch.top_p_cpu[:rows].astype(np.float32))
-        generators = []
-        for row in range(rows):
-            vllm_gen = batch.generators.get(row)
-            if vllm_gen is None:
-                generators.append(None)
-                continue
-            req_id = batch.req_ids[row]
-            if req_id not in self.generators:  # a seeded request: its own reproducible draft stream
-                self.generators[req_id] = torch.Generator(self.device).manual_seed(vllm_gen.initial_seed() ^ 0x5EED)
-            generators.append(self.generators[req_id])
-        dev = self.device
-        return temperature.to(dev), top_k.to(dev), top_p.to(dev), generators
-
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
-        req_ids = list(self.runner.input_batch.req_ids[: len(sampled_token_ids)])
-        self._follow_batch_rows(req_ids)
-        rows = min(len(req_ids), self.max_rows)
-        k = self.k
-
-        # Which rows draft this step, and the tokens each must feed to catch up.
-        catch_up: list[np.ndarray] = []
+    def _plan_catch_up(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> "CatchUp":
+        """Which rows draft this step, and the tokens each must feed first: the cached prefix is cut back
+        to where it stops matching the request's real tokens (rolled-back drafts, preemption), and
+        everything after it is fed again."""
+        rows = min(len(sampled_token_ids), self.max_rows)
+        feed: list[np.ndarray] = []
         drafting = np.zeros(rows, dtype=bool)
         for row in range(rows):
             n = int(num_tokens_no_spec[row])
-            if not len(sampled_token_ids[row]) or n + k > self.max_len:
-                catch_up.append(np.zeros(0, dtype=np.int64))
+            if not len(sampled_token_ids[row]) or n + self.k > self.max_len:
+                feed.append(np.zeros(0, dtype=np.int64))
                 continue
             tokens = token_ids_cpu[row, :n]
-            keep = min(int(self.valid[row]), n - 1)
+            keep = min(int(self.valid[row]), n - 1)  # at least the last token is fed: its logits draft
             differ = np.nonzero(self.cached[row, :keep] != tokens[:keep])[0]
             if len(differ):
                 keep = int(differ[0])
-            catch_up.append(np.asarray(tokens[keep:], dtype=np.int64))
+            feed.append(np.asarray(tokens[keep:], dtype=np.int64))
             self.valid[row] = keep
             drafting[row] = True
-        if not drafting.any():
-            return [[] for _ in sampled_token_ids], None
+        return CatchUp(drafting=drafting, feed=feed, start=self.valid[:rows].copy())
 
-        width = max(len(c) for c in catch_up)
-        feed = np.zeros((rows, width), dtype=np.int64)
-        lengths = np.ones(rows, dtype=np.int64)
-        for row, tokens in enumerate(catch_up):
+    def _draft(self, plan: "CatchUp", batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The catch-up forward, then K draft tokens per row, one batched forward per position, each
+        sampled from the row's processed q. Returns drafts [rows, K] and q [batch, K, vocab] (None when
+        every row is greedy: greedy rows are verified by argmax alone)."""
+        rows, k = len(plan.drafting), self.k
+        width = max(len(tokens) for tokens in plan.feed)
+        feed = np.zeros((rows, width), dtype=np.int64)  # [rows, width], right-padded
+        lengths = np.ones(rows, dtype=np.int64)  # [rows]; rows with nothing to feed read position 0
+        for row, tokens in enumerate(plan.feed):
             feed[row, : len(tokens)] = tokens
             lengths[row] = max(len(tokens), 1)
-        start = self.valid[:rows].copy()
 
         temperature, top_k, top_p, generators = self._sampling_params(rows)
-        greedy = temperature <= 0
+        greedy = temperature <= 0  # [rows]
         drafts = torch.zeros(rows, k, dtype=torch.long, device=self.device)
-        # Greedy requests are verified by argmax alone: q is only kept when some request samples.
-        keep_q = not bool(greedy.all())
-        q = torch.zeros(len(sampled_token_ids), k, self.target_vocab, device=self.device) if keep_q else None
-        tokens = torch.from_numpy(feed).to(self.device)
-        positions = torch.from_numpy(start).to(self.device)
-        last = torch.from_numpy(lengths - 1).to(self.device)
+        q = None if bool(greedy.all()) else torch.zeros(batch, k, self.target_vocab, device=self.device)
+        tokens = torch.from_numpy(feed).to(self.device)  # [rows, width], then [rows, 1]
+        positions = torch.from_numpy(plan.start).to(self.device)  # [rows]
+        last = torch.from_numpy(lengths - 1).to(self.device)  # [rows] index of each row's last real token
         for j in range(k):
-            logits = self._vocab_aligned(self.model.forward(tokens, positions, last))
+            logits = self._vocab_aligned(self.model.forward(tokens, positions, last))  # [rows, vocab]
             probs = processed_probs(logits, temperature, top_k, top_p)
-            token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))
+            token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))  # [rows]
             drafts[:, j] = token
-            if keep_q:
+            if q is not None:
                 q[:rows, j] = probs
             positions = positions + last + 1
             tokens, last = token.unsqueeze(1), torch.zeros_like(last)
+        return drafts, q
 
-        # The cache now holds each drafting row's catch-up tokens and its first K-1 drafts.
+    def _commit(self, plan: "CatchUp", drafts: torch.Tensor, batch: int) -> list[list[int]]:
+        """Record what each drafting row's cache now holds (its catch-up tokens and its first K - 1
+        drafts; the K-th was never fed) and hand out the drafts."""
+        k = self.k
         drafts_np = drafts.cpu().numpy()
-        out: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row in np.nonzero(drafting)[0]:
-            s, n = int(start[row]), len(catch_up[row])
-            self.cached[row, s : s + n] = catch_up[row]
+        out: list[list[int]] = [[] for _ in range(batch)]
+        for row in np.nonzero(plan.drafting)[0]:
+            s, n = int(plan.start[row]), len(plan.feed[row])
+            self.cached[row, s : s + n] = plan.feed[row]
             self.cached[row, s + n : s + n + k - 1] = drafts_np[row, : k - 1]
             self.valid[row] = s + n + k - 1
             out[row] = drafts_np[row].tolist()
-        self.stats["proposed_requests"] += int(drafting.sum())
-        self.stats["draft_tokens"] += int(drafting.sum()) * k
-        return out, q
+        self.stats["proposed_requests"] += int(plan.drafting.sum())
+        self.stats["draft_tokens"] += int(plan.drafting.sum()) * k
+        return out
+
+    def _sampling_params(self, rows: int):
+        """Per row: temperature, top_k, top_p [rows] on the draft's device, and a generator for each
+        seeded request (its own reproducible draft stream, derived from the request's seed)."""
+        temperature, top_k, top_p, vllm_generators = internals.batch_sampling_params(self.runner, rows)
+        req_ids = internals.batch_request_ids(self.runner, rows)
+        generators = [None] * rows
+        for row, vllm_gen in vllm_generators.items():
+            req_id = req_ids[row]
+            if req_id not in self.generators:
+                self.generators[req_id] = torch.Generator(self.device).manual_seed(vllm_gen.initial_seed() ^ 0x5EED)
+            generators[row] = self.generators[req_id]
+        dev = self.device
+        return (torch.from_numpy(temperature.astype(np.float32)).to(dev),
+                torch.from_numpy(top_k.astype(np.int64)).to(dev),
+                torch.from_numpy(top_p.astype(np.float32)).to(dev), generators)
 
     def _vocab_aligned(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary size (checkpoints pad embeddings differently)."""

@@ -115,7 +115,7 @@ def rejection_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a batch of drafts against the target.
 
-    draft_token_ids: [B, K] long, padded with -1 after each row's draft tokens.
+    draft_token_ids: [B, K] long; each row's draft tokens, then -1 padding (a row's drafts end at its first -1).
     draft_probs:     [B, K, V], the processed q each draft token was sampled from; None means every
                      draft was deterministic (q is one-hot at the draft token).
     target_probs:    [B, K + 1, V], processed p at each draft position and the one after.
@@ -130,9 +130,11 @@ def rejection_sample(
     generators = list(generators) or [None] * batch
     rows = torch.arange(batch, device=device)
 
-    valid = draft_token_ids >= 0
-    num_draft = valid.sum(dim=1)
-    drafts = draft_token_ids.clamp_min(0)
+    # A row's draft tokens are its leading run of non-negative ids: the first -1 ends them, and nothing
+    # after it is a draft (the clamp below only keeps gathers in range; those positions are never used).
+    valid = (draft_token_ids >= 0).long().cumprod(dim=1).bool()  # [B, K]
+    num_draft = valid.sum(dim=1)  # [B]
+    drafts = draft_token_ids.clamp_min(0)  # [B, K]
 
     # Accepted tokens: u < p(x) / q(x), written as u * q(x) < p(x) so q(x) = 0 needs no division.
     p_x = target_probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)

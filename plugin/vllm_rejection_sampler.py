@@ -14,11 +14,16 @@ every draft token was proposed deterministically (q one-hot at it).
 from dataclasses import replace
 
 import torch
-
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+from plugin import _vllm_internals as internals
 from plugin.sampling import greedy_verify, pad_ragged, processed_probs, rejection_sample
+
+HONOURED_METHODS = ("standard",)
 
 
 def _per_token(values: torch.Tensor | None, num_draft_tokens: list[int]) -> torch.Tensor | None:
@@ -30,8 +35,32 @@ def _per_token(values: torch.Tensor | None, num_draft_tokens: list[int]) -> torc
 
 
 class ExactRejectionSampler(RejectionSampler):
-    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        num_draft = metadata.num_draft_tokens
+    """vLLM's `RejectionSampler` with the exact accept/recover test of `plugin.sampling`.
+
+    Only `speculative_config.rejection_sample_method="standard"` is honoured: "synthetic" (accept at
+    configured rates) and "block" (block verification) are different algorithms, so asking for them is
+    refused at start-up rather than silently given standard verification.
+    """
+
+    def __init__(self, sampler: Sampler, spec_config=None, device: torch.device | None = None):
+        method = getattr(spec_config, "rejection_sample_method", "standard")
+        if method not in HONOURED_METHODS:
+            raise ValueError(
+                f"specserve's ExactRejectionSampler implements rejection_sample_method='standard' only; "
+                f"speculative_config asks for {method!r}. Remove rejection_sample_method from the "
+                f"speculative config, or use vLLM's own speculator for {method!r} verification.")
+        super().__init__(sampler, spec_config, device)
+
+    def forward(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,  # [num_draft_tokens, vocab] or None (one-hot drafts)
+        logits: torch.Tensor,  # [num_draft_tokens + batch, vocab]: each request's draft positions, then its bonus position
+        sampling_metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        """Verify every request's drafts; returns sampled_token_ids [batch, max_spec_len + 1] int32,
+        each row its accepted tokens, then one recovered or bonus token, then -1 padding."""
+        num_draft = metadata.num_draft_tokens  # [batch] python ints
         batch, width = len(num_draft), metadata.max_spec_len
 
         # Bonus tokens: vLLM's own sampler, from the target's processed next distribution.
@@ -41,15 +70,15 @@ class ExactRejectionSampler(RejectionSampler):
             predict_bonus_token=True,
             logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
         )
-        bonus_token_ids = bonus_output.sampled_token_ids.view(-1).long()
+        bonus_token_ids = bonus_output.sampled_token_ids.view(-1).long()  # [batch]
 
-        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)  # [num_draft_tokens, vocab]
         target_logits = raw_target_logits if self.is_processed_logprobs_mode else raw_target_logits.clone()
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
 
         rows = torch.arange(batch, device=logits.device)
         bonus_at = torch.as_tensor(num_draft, device=logits.device)
-        drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)
+        drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)  # [batch, width]
         if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
             # Greedy only: the argmax decides and no distribution is needed; the bonus is vLLM's argmax.
             target_argmax = pad_ragged(target_logits.argmax(-1), num_draft, width + 1)
@@ -64,7 +93,7 @@ class ExactRejectionSampler(RejectionSampler):
                 _per_token(sampling_metadata.top_p, num_draft),
             )
             # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
-            padded_target = pad_ragged(target_probs, num_draft, width + 1)
+            padded_target = pad_ragged(target_probs, num_draft, width + 1)  # [batch, width + 1, vocab]
             padded_target[rows, bonus_at] = torch.nn.functional.one_hot(bonus_token_ids, target_probs.size(-1)).float()
             padded_draft_probs = None if draft_probs is None else pad_ragged(draft_probs.float(), num_draft, width)
             generators = [sampling_metadata.generators.get(i) for i in range(batch)]
@@ -73,7 +102,8 @@ class ExactRejectionSampler(RejectionSampler):
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs_tensors = self._get_logprobs_tensors(
+            logprobs_tensors = internals.logprobs_tensors(
+                self,
                 sampling_metadata.max_num_logprobs,
                 metadata,
                 logits,

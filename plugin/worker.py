@@ -6,46 +6,39 @@ target (and our `DraftProposer` its draft), it replaces the runner's rejection s
 draft-probability slot it uses. Finished requests' draft state is freed as the scheduler reports them.
 """
 
-from vllm.platforms import current_platform
-
+from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
 from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
-if current_platform.is_cpu():
-    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
-else:
-    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker
 
-
-class SpeculativeWorker(_PlatformWorker):
+class SpeculativeWorker(internals.platform_worker_class()):
     def load_model(self, *args, **kwargs):
         result = super().load_model(*args, **kwargs)
-        runner = self.model_runner
-        if getattr(runner, "speculative_config", None) is not None:
-            runner.rejection_sampler = ExactRejectionSampler(runner.sampler, runner.speculative_config, runner.device)
-        if isinstance(self._drafter(), DraftProposer):
-            self._drafter().attach(runner)
+        internals.install_rejection_sampler(self.model_runner, ExactRejectionSampler)
+        if drafter := self._draft_proposer():
+            drafter.attach(self.model_runner)
         return result
 
-    def _drafter(self):
-        return getattr(getattr(self, "model_runner", None), "drafter", None)
+    def _draft_proposer(self) -> DraftProposer | None:
+        runner = getattr(self, "model_runner", None)
+        drafter = internals.runner_drafter(runner) if runner is not None else None
+        return drafter if isinstance(drafter, DraftProposer) else None
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        drafter = self._drafter()
-        if isinstance(drafter, DraftProposer) and scheduler_output.finished_req_ids:
+        drafter = self._draft_proposer()
+        if drafter and scheduler_output.finished_req_ids:
             drafter.release(scheduler_output.finished_req_ids)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def specserve_stats(self) -> dict:
         """Draft-side counters, for `LLM.collective_rpc("specserve_stats")` and the serving layer."""
-        drafter = self._drafter()
-        sampler = getattr(self.model_runner, "rejection_sampler", None)
-        if not isinstance(drafter, DraftProposer):
+        drafter = self._draft_proposer()
+        if drafter is None:
             return {"enabled": False}
         return {
             "enabled": True,
-            "exact_rejection_sampler": isinstance(sampler, ExactRejectionSampler),
+            "exact_rejection_sampler": isinstance(self.model_runner.rejection_sampler, ExactRejectionSampler),
             "tracked_requests": sorted(drafter.tracked_requests()),
-            "runner_requests": sorted(self.model_runner.requests),
+            "runner_requests": sorted(internals.runner_request_ids(self.model_runner)),
             **drafter.stats,
         }

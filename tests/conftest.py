@@ -1,13 +1,20 @@
 """Shared engines: one plain and one speculative vLLM engine on the shipped demo pair (for the module that
 uses them, so their memory is free afterwards), and the Serve application of serve_config.yaml (for the
-session: the deployment and the load tests share it)."""
+session: the deployment and the load tests share it). Tests marked `exclusive` need the machine's Ray
+and Serve ports to themselves: they run last, after the shared application has stopped."""
 
 import pytest
+
+_shared = {}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.get_closest_marker("exclusive") is not None)  # stable: order kept otherwise
 
 
 @pytest.fixture(scope="module")
 def plain_llm():
-    from plugin.engines import build_llm, shutdown_llm
+    from specserve.engines import build_llm, shutdown_llm
 
     llm = build_llm(speculative=False, seed=0)
     yield llm
@@ -16,7 +23,7 @@ def plain_llm():
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    from plugin.engines import build_llm, shutdown_llm
+    from specserve.engines import build_llm, shutdown_llm
 
     llm = build_llm(speculative=True, seed=0)
     yield llm
@@ -26,12 +33,21 @@ def spec_llm():
 @pytest.fixture(scope="session")
 def serve_app():
     """`serve run serve_config.yaml` itself, started once for the session (shared with the load tests)."""
-    from deployment.launch import ServeProcess
+    from specserve.serve_process import ServeProcess
 
-    server = ServeProcess("serve_config.yaml")
+    server = _shared["serve"] = ServeProcess("serve_config.yaml")
     try:
         ready_s = server.wait_ready()
         print(f"serve run serve_config.yaml ready in {ready_s:.0f} s")
         yield server.url
     finally:
+        server.stop()
+
+
+@pytest.fixture
+def shared_app_stopped():
+    """Stop the session's shared application, if one runs, so that a test can use Ray's and Serve's
+    ports itself (such tests are marked `exclusive` and run after every other)."""
+    server = _shared.pop("serve", None)
+    if server is not None:
         server.stop()

@@ -6,9 +6,11 @@ import os
 import pytest
 import torch
 
-from plugin.demo.corpus import is_held_out, read_source, split_files
-from plugin.demo.prompts import CATEGORIES, load_prompts
-from plugin.paths import MODELS_DIR, PROMPTS_FILE
+from deployment.defaults import MODELS_DIR
+from loadtest import PROMPTS_FILE, load_prompts
+from plugin.speculation_math import acceptance_rate
+from specserve.demo.corpus import is_held_out, read_source, source_files, split_files
+from specserve.demo.prompts import CATEGORIES
 
 TARGET, DRAFT = MODELS_DIR / "target", MODELS_DIR / "draft"
 # Set from the shipped pair on this slice (target loss 4.24 nats/token, draft alpha 0.74), with a
@@ -91,7 +93,7 @@ def test_quality_guard(tokenizer, models):
     loss = torch.nn.functional.cross_entropy(logits_p.flatten(0, 1), x[:, 1:].flatten()).item()
     p = torch.softmax(logits_p, -1)
     q = torch.softmax(draft(input_ids=x).logits[:, :-1], -1)
-    alpha = torch.minimum(p, q).sum(-1).mean().item()
+    alpha = acceptance_rate(p, q).mean().item()
     assert loss < MAX_TARGET_LOSS, f"target held-out loss {loss:.3f}"
     assert alpha > MIN_DRAFT_ALPHA, f"draft alpha {alpha:.3f}"
 
@@ -110,7 +112,16 @@ def test_prompts_file():
     assert PROMPTS_FILE.read_text().count("\n") == len(prompts)
 
 
-def test_split_is_by_file_and_stable():
+def test_split_is_the_model_cards_and_stable():
+    """The model card's promise: a file is held out when sha1(its stdlib-relative path) mod 20 == 0
+    (computed here independently), no held-out file is in the training list, and the split is the one
+    the shipped pair was trained on (models/training_stats.json's file counts)."""
+    import hashlib
+
     train, held_out = split_files()
-    assert not set(train) & set(held_out) and len(held_out) >= 20
-    assert all(is_held_out(f) for f in held_out) and not any(is_held_out(f) for f in train)
+    rule = {f for f in source_files() if int.from_bytes(hashlib.sha1(f.encode()).digest()[:4], "big") % 20 == 0}
+    assert set(held_out) == rule and not rule & set(train)
+    assert set(train) | set(held_out) == set(source_files())
+    stats = json.loads((MODELS_DIR / "training_stats.json").read_text())
+    assert (len(train), len(held_out)) == (stats["train_files"], stats["held_out_files"])
+    assert "asyncio/events.py" in train and split_files() == (train, held_out)

@@ -1,18 +1,24 @@
 """The Ray Serve application of serve_config.yaml, started with `serve run`, on loopback."""
 
-import json
 import time
 
 import httpx
 import pytest
 import yaml
 
-from plugin.demo.prompts import load_prompts
-from plugin.paths import REPO_ROOT
+from deployment.defaults import BASELINE_MODEL_ID as BASELINE
+from deployment.defaults import DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS, REPO_ROOT
+from deployment.defaults import SPECULATIVE_MODEL_ID as SPEC
+from loadtest import load_prompts
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
-SPEC, BASELINE = "specserve-speculative", "specserve-baseline"
+
+def app_args(config_file: str):
+    from deployment.app import SpecServeArgs
+
+    config = yaml.safe_load((REPO_ROOT / config_file).read_text())
+    return SpecServeArgs.model_validate(config["applications"][0]["args"])
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +32,14 @@ def prompt(i=0):
     return load_prompts(category="function_body")[i]["prompt"]
 
 
+@slow
 def test_models_and_health(serve_app, client):
     assert {m.id for m in client.models.list().data} == {SPEC, BASELINE}
     health = httpx.get(f"{serve_app}/health").json()
     assert health["status"] == "ok"
 
 
+@slow
 def test_completion_chat_and_stream_on_both_models(client):
     texts = {}
     for model in (SPEC, BASELINE):
@@ -47,6 +55,7 @@ def test_completion_chat_and_stream_on_both_models(client):
     assert texts[SPEC] == texts[BASELINE]
 
 
+@slow
 def test_speculation_summary_on_speculative_responses(client):
     done = client.completions.create(model=SPEC, prompt=prompt(2), max_tokens=48, temperature=0)
     summary = done.model_extra["metrics"]["speculative_decoding"]
@@ -77,6 +86,7 @@ BAD_INPUTS = [
 ]
 
 
+@slow
 @pytest.mark.parametrize("name,route,body", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_gets_openai_style_4xx(serve_app, name, route, body):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
@@ -89,6 +99,7 @@ def test_bad_input_gets_openai_style_4xx(serve_app, name, route, body):
     assert ok.status_code == 200
 
 
+@slow
 def test_disconnect_mid_stream_aborts_the_request(serve_app):
     body = {"model": SPEC, "prompt": prompt(3), "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{serve_app}/v1/completions", json=body, timeout=60) as response:
@@ -105,10 +116,11 @@ def test_disconnect_mid_stream_aborts_the_request(serve_app):
 
 
 def test_gpu_profile_builds_without_a_gpu():
-    from deployment.app import SpecServeArgs, build_app, llm_configs
+    from ray.serve import Application
 
-    config = yaml.safe_load((REPO_ROOT / "configs" / "gpu.yaml").read_text())
-    args = SpecServeArgs.model_validate(config["applications"][0]["args"])
+    from deployment.app import build_app, llm_configs
+
+    args = app_args("configs/gpu.yaml")
     configs = llm_configs(args)
     assert [c.model_id for c in configs] == ["qwen2.5-7b-speculative", "qwen2.5-7b-baseline"]
     spec = configs[0].engine_kwargs
@@ -116,5 +128,31 @@ def test_gpu_profile_builds_without_a_gpu():
     assert spec["additional_config"]["specserve"]["draft_model"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert configs[0].accelerator_type == "H100"
     assert configs[0].deployment_config["autoscaling_config"]["max_replicas"] == 8
-    assert build_app(args) is not None
-    json.dumps(config)  # plain data, nothing but configuration
+    assert isinstance(build_app(args), Application)
+
+
+def test_embedded_default_comes_from_one_place():
+    """serve_config.yaml repeats none of the demo defaults: the pair, K, the engine settings and the
+    model ids all come from deployment.defaults through SpecServeArgs."""
+    from deployment.app import SpecServeArgs, llm_configs
+
+    args = app_args("serve_config.yaml")
+    yaml_args = set(args.model_fields_set)
+    assert not yaml_args & {"target_model", "draft_model", "num_speculative_tokens", "engine_kwargs",
+                            "speculative_model_id", "baseline_model_id"}, yaml_args
+    spec, base = llm_configs(args)
+    assert (spec.model_id, base.model_id) == (SPEC, BASELINE)
+    assert base.engine_kwargs.items() >= DEMO_ENGINE_KWARGS.items()
+    assert spec.engine_kwargs["speculative_config"]["num_speculative_tokens"] == DEMO_NUM_SPECULATIVE_TOKENS
+    with pytest.raises(ValueError, match="draft_modle"):  # a typo in the YAML is refused, not ignored
+        SpecServeArgs.model_validate({"draft_modle": "x"})
+
+
+def test_equal_model_ids_are_refused():
+    """One id cannot name the speculative and the baseline model: Serve would route both to one."""
+    from pydantic import ValidationError
+
+    from deployment.app import SpecServeArgs
+
+    with pytest.raises(ValidationError, match="baseline_model_id must differ from speculative_model_id"):
+        SpecServeArgs(speculative_model_id="qwen", baseline_model_id="qwen")

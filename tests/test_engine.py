@@ -9,7 +9,7 @@ from scipy import stats
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
-from plugin.demo.prompts import load_prompts  # noqa: E402
+from loadtest import load_prompts  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +53,13 @@ def test_greedy_text_equals_plain_engine(plain_llm, spec_llm):
                         for p, at, gap in differ)
     assert all(gap < NEAR_TIE_NATS for _, _, gap in differ), "not a near-tie:\n" + message
     assert len(differ) * 32 < len(prompts), f"{len(differ)} of {len(prompts)} differ:\n" + message
-    # Speculation did happen, and was mostly accepted on this aligned pair.
+    # Speculation did happen on every request, and most draft tokens were accepted on this aligned pair
+    # (the shipped pair's greedy acceptance rate measured 0.63 at K = 6; 0.5 leaves room for noise).
     metrics = [o.outputs[0].spec_decode_metrics for o in spec]
     assert all(m is not None and m.num_draft_tokens > 0 for m in metrics)
+    accepted = sum(m.to_dict()["num_accepted_draft_tokens"] for m in metrics)
+    rate = accepted / sum(m.num_draft_tokens for m in metrics)
+    assert rate > 0.5, f"greedy acceptance rate {rate:.2f}"
 
 
 TWO_TOKEN_SAMPLES = 3000
@@ -86,7 +90,7 @@ def test_sampling_distribution_of_first_two_tokens_matches_plain(plain_llm, spec
     plain = first_two_tokens(plain_llm, prompt, 10_000)
     spec = first_two_tokens(spec_llm, prompt, 50_000)
     assert homogeneity_p_value(plain, spec) > 1e-3
-    # Guard: a second plain sample agrees with itself, and the test can see a real difference.
+    # Guard: the same test rejects a sample one-quarter of whose second tokens are shifted.
     shifted = [(t1, (t2 + 1) % 4096) if i % 4 == 0 else (t1, t2) for i, (t1, t2) in enumerate(spec)]
     assert homogeneity_p_value(plain, shifted) < 1e-3
 
@@ -128,7 +132,7 @@ def test_no_state_left_after_200_requests(spec_llm):
 
 def test_preemption_keeps_greedy_output(plain_llm):
     """16 KV-cache blocks (2,048 tokens on CPU) for 16 concurrent sequences of up to 430 tokens force preemption."""
-    from plugin.engines import build_llm, shutdown_llm
+    from specserve.engines import build_llm, shutdown_llm
 
     prompts = held_out_prompts(16)
     small = build_llm(speculative=True, seed=0, num_gpu_blocks_override=16, max_num_seqs=16)
@@ -144,7 +148,7 @@ def test_preemption_keeps_greedy_output(plain_llm):
 
 
 def test_draft_faults_never_fail_a_request(plain_llm):
-    from plugin.engines import build_llm, shutdown_llm
+    from specserve.engines import build_llm, shutdown_llm
 
     prompts = held_out_prompts(12)
     faulty = build_llm(speculative=True, seed=0, fault_injection_rate=0.4)

@@ -1,35 +1,37 @@
 """Load-test tooling: the report arithmetic on fixed samples, and a short real Locust run on loopback."""
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from deployment.defaults import REPO_ROOT
 from loadtest._report import capacity, percentile, speedups, summarize, write_outputs
-from plugin.paths import REPO_ROOT
 
 
-def sample(target, conc, e2e, tokens=100, drafted=0, accepted=0, ok=True):
-    return {"target": target, "concurrency": conc, "ok": str(ok), "e2e_s": e2e, "tpot_s": e2e / 100,
+def sample(target, conc, e2e, start=0.0, tokens=100, drafted=0, accepted=0, ok=True):
+    return {"target": target, "concurrency": conc, "ok": str(ok), "start": start, "e2e_s": e2e, "tpot_s": e2e / 100,
             "ttft_s": 0.1, "output_tokens": tokens, "drafted_tokens": drafted, "accepted_tokens": accepted}
 
 
+# Measured windows (first start to last end): 10 s at concurrency 1, 20 s at concurrency 4.
 FIXED = (
-    [sample("speculative", 1, e) for e in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    [sample("speculative", 1, e, s) for e, s in zip((1.0, 2.0, 3.0, 4.0, 5.0), (0, 1, 2, 3, 5))]
     + [sample("baseline", 1, e) for e in (2.0, 4.0, 6.0, 8.0, 10.0)]
-    + [sample("speculative", 4, e, drafted=40, accepted=30) for e in (6.0, 6.0, 8.0, 8.0)]
-    + [sample("speculative", 4, 0, ok=False)]
-    + [sample("baseline", 4, e) for e in (4.0, 5.0, 6.0, 7.0)]
+    + [sample("speculative", 4, e, s, drafted=40, accepted=30) for e, s in zip((6.0, 6.0, 8.0, 8.0), (0, 0, 12, 12))]
+    + [sample("speculative", 4, 0, 5, ok=False)]
+    + [sample("baseline", 4, e, s) for e, s in zip((4.0, 5.0, 6.0, 7.0), (0, 15, 14, 13))]
 )
-DURATIONS = {("speculative", 1): 10.0, ("baseline", 1): 10.0, ("speculative", 4): 20.0, ("baseline", 4): 20.0}
 
 
 def test_percentiles_throughput_and_acceptance():
     assert percentile([1, 2, 3, 4, 5], 50) == 3.0
     assert percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)  # 4 + 0.8 * (5 - 4)
-    s = summarize(FIXED, DURATIONS)
+    s = summarize(FIXED)
+    assert s["speculative"][1]["measured_s"] == 10.0 and s["baseline"][4]["measured_s"] == 20.0
     assert s["speculative"][1]["p50_e2e_s"] == 3.0 and s["baseline"][1]["p50_e2e_s"] == 6.0
     assert s["baseline"][1]["p95_e2e_s"] == pytest.approx(9.6)
     assert s["speculative"][1]["output_tokens_per_s"] == 50.0  # 5 x 100 tokens in 10 s
@@ -39,14 +41,14 @@ def test_percentiles_throughput_and_acceptance():
 
 
 def test_speedup_and_crossover():
-    speed = speedups(summarize(FIXED, DURATIONS))
+    speed = speedups(summarize(FIXED))
     assert speed["by_concurrency"][1]["p50_e2e_speedup"] == 2.0  # 6 / 3
     assert speed["by_concurrency"][4]["p50_e2e_speedup"] == pytest.approx(5.5 / 7.0)
     assert speed["crossover_concurrency"] == 4
 
 
 def test_slo_capacity_arithmetic():
-    s = summarize(FIXED, DURATIONS)
+    s = summarize(FIXED)
     plan = capacity(s, slo_p95_e2e_s=7.0, target_rps=1.0)["targets"]
     # speculative: c=1 P95 4.8 s is within 7 s; c=4 P95 8.0 s is not (and had a failure).
     assert plan["speculative"]["max_concurrency_within_slo"] == 1
@@ -58,11 +60,45 @@ def test_slo_capacity_arithmetic():
 
 
 def test_report_files(tmp_path):
-    s = summarize(FIXED, DURATIONS)
+    s = summarize(FIXED)
     write_outputs(tmp_path, s, speedups(s), capacity(s, 7.0, 1.0), {"note": "fixed"})
     for name in ("summary.json", "report.md", "latency.png", "tpot.png", "throughput.png", "speedup.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "concurrency 4" in (tmp_path / "report.md").read_text()
+
+
+def test_rates_count_the_measured_window_not_the_nominal_duration():
+    """Locust lets requests in flight at the end of -t finish: four back-to-back 10 s requests of a
+    level run for 30 s take 40 s, and the level's rates are counted over those 40 s."""
+    samples = [sample("baseline", 1, 10.0, start=100.0 + 10 * i) for i in range(4)]
+    level = summarize(samples)["baseline"][1]
+    assert level["measured_s"] == 40.0
+    assert level["output_tokens_per_s"] == pytest.approx(400 / 40)
+    assert level["requests_per_s"] == pytest.approx(4 / 40)
+
+
+def test_every_load_test_option_reaches_locust(monkeypatch, tmp_path):
+    """`specserve loadtest`'s Locust command line, parsed by Locust's own parser with the locustfile
+    loaded (in a fresh interpreter: Locust patches the standard library with gevent), carries every
+    option of the locustfile as given to specserve loadtest, the GPU profile's model ids included."""
+    from loadtest import _options
+    from specserve.cli import build_parser
+    from specserve.loadtest_runner import locust_command
+
+    given = {"--speculative-model": "qwen2.5-7b-speculative", "--baseline-model": "qwen2.5-7b-baseline",
+             "--max-tokens": "7", "--temperature": "0.5", "--ignore-eos": "false"}
+    assert set(given) == {o.flag for o in _options.OPTIONS}, "a new option needs a value here"
+    args = build_parser().parse_args(["loadtest", "--out", str(tmp_path), *[a for kv in given.items() for a in kv]])
+    cmd, env = locust_command(tmp_path, "http://127.0.0.1:9", "speculative", 2, 5, args)
+    code = ("import json, sys; import loadtest.locustfile; from locust.argument_parser import get_parser; "
+            "o = get_parser().parse_args(sys.argv[1:]); "
+            f"print(json.dumps({{d: getattr(o, d) for d in {[o.dest for o in _options.OPTIONS]!r}}}))")
+    result = subprocess.run([sys.executable, "-c", code, *cmd[1:]], env=env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert parsed == {"speculative_model": "qwen2.5-7b-speculative", "baseline_model": "qwen2.5-7b-baseline",
+                      "max_tokens": 7, "temperature": 0.5, "ignore_eos": False}
 
 
 @pytest.mark.slow

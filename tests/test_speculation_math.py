@@ -45,12 +45,15 @@ def test_edges():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "plugin.cli", "math", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "specserve.cli", "math", *args], capture_output=True, text=True)
 
 
 def test_cli_single_and_json():
     out = run_cli("--alpha", "0.8", "--c", "20")
-    assert out.returncode == 0 and "8" in out.stdout and "3.09x" in out.stdout
+    assert out.returncode == 0
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["alpha", "c", "optimal", "k", "speed-up"]
+    assert row.split() == ["0.80", "20", "8", "3.09x"]  # alpha, c, optimal k, speed-up
     rows = json.loads(run_cli("--table", "--json").stdout)
     assert len(rows) == 12 and set(rows[0]) == {"alpha", "c", "k", "speedup"}
     assert (rows[-1]["k"], round(rows[-1]["speedup"], 2)) == (19, 6.37)

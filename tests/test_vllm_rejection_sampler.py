@@ -1,5 +1,7 @@
 """`plugin.ExactRejectionSampler` driven through vLLM 0.32's own types, with vLLM's own `Sampler`."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -8,11 +10,11 @@ pytest.importorskip("vllm")
 
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
-from vllm.v1.sample.rejection_sampler import RejectionSampler  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
 
 from plugin import ExactRejectionSampler  # noqa: E402
+from plugin.speculation_math import acceptance_rate  # noqa: E402
 from tests.test_sampling import P_VALUE_FLOOR, SEED_P, SEED_Q, chi_square_p_value  # noqa: E402
 
 
@@ -63,8 +65,15 @@ def sampler():
     return ExactRejectionSampler(Sampler())
 
 
-def test_is_a_drop_in_for_vllms_rejection_sampler(sampler):
-    assert isinstance(sampler, RejectionSampler)
+@pytest.mark.parametrize("method", ["synthetic", "block"])
+def test_refuses_verification_methods_it_does_not_implement(method):
+    """vLLM 0.32's speculative_config.rejection_sample_method: 'synthetic' accepts at configured rates,
+    'block' verifies drafts jointly; neither is what this class does, so asking for one fails at start-up."""
+    config = SimpleNamespace(rejection_sample_method=method, synthetic_acceptance_rates=[0.5])
+    with pytest.raises(ValueError, match=f"rejection_sample_method='standard' only.*{method}"):
+        ExactRejectionSampler(Sampler(), config, torch.device("cpu"))
+    standard = SimpleNamespace(rejection_sample_method="standard", synthetic_acceptance_rates=None)
+    assert ExactRejectionSampler(Sampler(), standard, torch.device("cpu")).synthetic_mode is False
 
 
 def test_first_token_follows_target_with_real_draft_probs(sampler):
@@ -79,7 +88,7 @@ def test_first_token_follows_target_with_real_draft_probs(sampler):
     assert chi_square_p_value(out[:, 0].long().numpy(), SEED_P.numpy()) > P_VALUE_FLOOR
     accepted = (out[:, 0] == drafts[:, 0].int()).float().mean().item()
     # A rejected x has p(x) < q(x), so max(0, p - q) never recovers x: acceptance is alpha = 0.85.
-    alpha = torch.minimum(SEED_P, SEED_Q).sum().item()
+    alpha = acceptance_rate(SEED_P, SEED_Q).item()
     assert abs(accepted - alpha) < 0.01
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from plugin.paths import REPO_ROOT
+from deployment.defaults import REPO_ROOT
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -24,6 +24,7 @@ def is_ready(url: str = DEFAULT_URL) -> bool:
 class ServeProcess:
     def __init__(self, config: str = "serve_config.yaml", log_path: Path | None = None, url: str = DEFAULT_URL):
         self.url = url
+        self.stopped = False
         self.log_path = Path(log_path or REPO_ROOT / "out" / "serve.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         bin_dir = Path(sys.executable).parent
@@ -47,15 +48,20 @@ class ServeProcess:
 
     def stop(self) -> None:
         """Stop serve run, its Ray cluster and the vLLM engine processes under it: `ray stop` alone
-        leaves the engines that the replicas spawned running."""
+        leaves the engines that the replicas spawned running. A second call does nothing."""
         import psutil
+
+        if self.stopped:
+            return
+        self.stopped = True
 
         try:
             family = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
             family = []
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
+            # SIGTERM: serve run shuts its application down on it; started without a terminal it ignores SIGINT.
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -5,6 +5,9 @@ import json
 import sys
 from pathlib import Path
 
+from deployment.defaults import MODELS_DIR
+from loadtest import PROMPTS_FILE
+
 
 def _cmd_math(args) -> int:
     from plugin.speculation_math import expected_tokens, optimal_k, optimal_k_table
@@ -31,25 +34,25 @@ def _cmd_math(args) -> int:
 
 
 def _cmd_bench_sampler(args) -> int:
-    from plugin.bench_sampler import main as bench
+    from specserve.bench_sampler import main as bench
 
     return bench(args)
 
 
 def _cmd_bench(args) -> int:
-    from plugin.bench import main as bench
+    from specserve.bench import main as bench
 
     return bench(args)
 
 
 def _cmd_measure_pair(args) -> int:
-    from plugin.demo.measure import main as measure
+    from specserve.demo.measure import main as measure
 
     return measure(args)
 
 
 def _cmd_make_prompts(args) -> int:
-    from plugin.demo.prompts import write_prompts
+    from specserve.demo.prompts import write_prompts
 
     prompts = write_prompts(Path(args.out))
     print(f"wrote {len(prompts)} prompts to {args.out}")
@@ -57,13 +60,13 @@ def _cmd_make_prompts(args) -> int:
 
 
 def _cmd_loadtest(args) -> int:
-    from loadtest._runner import main as loadtest
+    from specserve.loadtest_runner import main as loadtest
 
     return loadtest(args)
 
 
 def _cmd_train_demo(args) -> int:
-    from plugin.demo.train import train_demo
+    from specserve.demo.train import train_demo
 
     train_demo(Path(args.out), vocab_size=args.vocab_size, target_steps=args.target_steps,
                draft_steps=args.draft_steps, seed=args.seed)
@@ -105,17 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_measure_pair)
 
     p = sub.add_parser("make-prompts", help="cut the held-out prompts file from held-out stdlib files")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "loadtest" / "prompts.jsonl"))
+    p.add_argument("--out", default=str(PROMPTS_FILE))
     p.set_defaults(func=_cmd_make_prompts)
 
     p = sub.add_parser("loadtest", help="Locust, headless: speculative vs baseline at each concurrency")
-    from loadtest._runner import add_arguments
+    from specserve.loadtest_runner import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=_cmd_loadtest)
 
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "models"))
+    p.add_argument("--out", default=str(MODELS_DIR))
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=750)
     p.add_argument("--draft-steps", type=int, default=600)

@@ -16,16 +16,16 @@ import time
 
 import torch
 
-from plugin.demo.corpus import read_source
-from plugin.demo.prompts import load_prompts
-from plugin.paths import DEFAULT_DRAFT, DEFAULT_TARGET
-from plugin.speculation_math import optimal_k
+from deployment.defaults import DEMO_DRAFT, DEMO_ENGINE_KWARGS, DEMO_TARGET
+from loadtest import load_prompts
+from plugin.speculation_math import acceptance_rate, optimal_k
+from specserve.demo.corpus import read_source
 
 CONTINUATION_TOKENS = 64
 
 
 @torch.no_grad()
-def pair_agreement(target_dir=DEFAULT_TARGET, draft_dir=DEFAULT_DRAFT) -> dict:
+def pair_agreement(target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -42,7 +42,7 @@ def pair_agreement(target_dir=DEFAULT_TARGET, draft_dir=DEFAULT_DRAFT) -> dict:
         p = torch.softmax(target(input_ids=ids).logits[0, span], -1)
         q = torch.softmax(draft(input_ids=ids).logits[0, span], -1)
         for key in (row["category"], "overall"):
-            sums[key][0] += torch.minimum(p, q).sum(-1).sum().item()
+            sums[key][0] += acceptance_rate(p, q).sum().item()
             sums[key][1] += (p.argmax(-1) == q.argmax(-1)).sum().item()
             sums[key][2] += len(cont_ids)
     return {k: {"alpha": round(a / n, 4), "greedy_match": round(m / n, 4), "positions": n}
@@ -53,7 +53,7 @@ def vllm_decode_step_ms(model_dir, prompt: str, tokens: int = 128, repeats: int 
     """Batch-1 decode step: (time for 1 + tokens outputs - time for 1 output) / tokens, median."""
     from vllm import LLM, SamplingParams
 
-    from plugin.engines import DEMO_ENGINE_KWARGS, shutdown_llm
+    from specserve.engines import shutdown_llm
 
     llm = LLM(model=str(model_dir), seed=0, **DEMO_ENGINE_KWARGS)
     try:
@@ -86,7 +86,7 @@ def draft_forward_ms(draft_dir, prompt_ids: list[int], steps: int = 200) -> floa
     return statistics.median(times[10:]) * 1e3
 
 
-def measure(target_dir=DEFAULT_TARGET, draft_dir=DEFAULT_DRAFT) -> dict:
+def measure(target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT) -> dict:
     from transformers import AutoTokenizer
 
     agreement = pair_agreement(target_dir, draft_dir)

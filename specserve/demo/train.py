@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from plugin.demo.corpus import EOT, read_source, split_files
+from plugin.speculation_math import acceptance_rate
+from specserve.demo.corpus import EOT, read_source, split_files
 
 SEQ_LEN = 512
 BATCH = 8
@@ -174,7 +175,7 @@ def evaluate_pair(target, draft, stream: torch.Tensor, max_tokens: int = 32768) 
         totals["target_loss"] += F.cross_entropy(lp.flatten(0, 1), yb.flatten(), reduction="sum").item()
         totals["draft_loss"] += F.cross_entropy(lq.flatten(0, 1), yb.flatten(), reduction="sum").item()
         p, q = torch.softmax(lp, -1), torch.softmax(lq, -1)
-        totals["alpha"] += torch.minimum(p, q).sum(-1).sum().item()
+        totals["alpha"] += acceptance_rate(p, q).sum().item()
         totals["greedy_match"] += (lp.argmax(-1) == lq.argmax(-1)).float().sum().item()
     return {k: v / n for k, v in totals.items()} | {"eval_tokens": n}
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import httpx
 
-from deployment.launch import DEFAULT_URL, ServeProcess, is_ready
+from deployment.defaults import REPO_ROOT
+from loadtest import _options
 from loadtest._report import TARGETS, capacity, speedups, summarize, write_outputs
-from plugin.paths import REPO_ROOT
+from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready
 
 USER_CLASS = {"speculative": "SpeculativeUser", "baseline": "BaselineUser"}
 
@@ -42,23 +43,22 @@ def warm_up(url: str, model: str) -> None:
     httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
 
 
-def run_level(out: Path, url: str, target: str, concurrency: int, duration: int, args) -> float:
-    env = os.environ | {
-        "SPECSERVE_SAMPLES_CSV": str(out / "samples.csv"),
-        "SPECSERVE_CONCURRENCY": str(concurrency),
-        "SPECSERVE_MAX_TOKENS": str(args.max_tokens),
-        "SPECSERVE_TEMPERATURE": str(args.temperature),
-    }
+def locust_command(out: Path, url: str, target: str, concurrency: int, duration: int, args) -> tuple[list[str], dict]:
+    """Headless Locust for one target at one concurrency (closed loop: users = concurrency), with every
+    load-test option of `args` on its command line. Returns (argv, environment)."""
+    env = os.environ | {"SPECSERVE_SAMPLES_CSV": str(out / "samples.csv"), "SPECSERVE_CONCURRENCY": str(concurrency)}
     cmd = [str(Path(sys.executable).with_name("locust")), "-f", str(REPO_ROOT / "loadtest"), "--headless",
            "--host", url, "-u", str(concurrency), "-r", str(concurrency), "-t", f"{duration}s",
            "--stop-timeout", "120", "--csv", str(out / "locust" / f"{target}_c{concurrency}"), "--only-summary",
-           "--loglevel", "WARNING", USER_CLASS[target]]
-    start = time.monotonic()
+           "--loglevel", "WARNING", *_options.to_argv(args), USER_CLASS[target]]
+    return cmd, env
+
+
+def run_level(out: Path, url: str, target: str, concurrency: int, duration: int, args) -> None:
+    cmd, env = locust_command(out, url, target, concurrency, duration, args)
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    seconds = time.monotonic() - start
     if result.returncode not in (0, 1):  # 1: some requests failed, which the report shows
         raise RuntimeError(f"locust failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return seconds
 
 
 def main(args) -> int:
@@ -71,7 +71,7 @@ def main(args) -> int:
         log(f"nothing answers at {args.host}; starting serve run serve_config.yaml")
         server = ServeProcess("serve_config.yaml", out / "serve.log", args.host)
         log(f"ready in {server.wait_ready():.0f} s")
-    durations, memory = {}, {}
+    memory = {}
     try:
         for target in TARGETS:
             warm_up(args.host, getattr(args, f"{target}_model"))
@@ -79,7 +79,6 @@ def main(args) -> int:
             for c in levels:
                 log(f"{target}: concurrency {c} for {args.duration} s")
                 run_level(out, args.host, target, c, args.duration, args)
-                durations[(target, c)] = float(args.duration)
             memory[target]["at_end_bytes"] = replica_memory_bytes()
     finally:
         if server is not None:
@@ -87,13 +86,13 @@ def main(args) -> int:
             server.stop()
     with open(out / "samples.csv") as f:
         samples = list(csv.DictReader(f))
-    summary = summarize(samples, durations)
+    summary = summarize(samples)
     speed = speedups(summary)
     plan = capacity(summary, args.slo_p95_e2e, args.target_rps) if args.slo_p95_e2e else None
     for target, m in memory.items():
         m["change"] = (m["at_end_bytes"] - m["after_warm_up_bytes"]) / max(m["after_warm_up_bytes"], 1)
-    extra = {"host": args.host, "duration_s": args.duration, "max_tokens": args.max_tokens,
-             "temperature": args.temperature, "replica_memory": memory}
+    extra = {"host": args.host, "duration_s": args.duration,
+             **{o.dest: getattr(args, o.dest) for o in _options.OPTIONS}, "replica_memory": memory}
     write_outputs(out, summary, speed, plan, extra)
     print((out / "report.md").read_text())
     return 0
@@ -106,7 +105,4 @@ def add_arguments(p) -> None:
     p.add_argument("--duration", type=int, default=30, help="seconds per target and concurrency level")
     p.add_argument("--slo-p95-e2e", type=float, help="SLO on P95 end-to-end latency, seconds")
     p.add_argument("--target-rps", type=float, help="request rate to size replicas for")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--speculative-model", default="specserve-speculative")
-    p.add_argument("--baseline-model", default="specserve-baseline")
+    _options.add_to(p)  # the locustfile's own options, forwarded to Locust as given

@@ -10,9 +10,9 @@ comparison; it is reported anyway, marked.
 import json
 import time
 
-from plugin.demo.prompts import load_prompts
-from plugin.engines import engine_kwargs, shutdown_llm
-from plugin.paths import DEFAULT_DRAFT
+from deployment.defaults import DEMO_DRAFT
+from loadtest import load_prompts
+from specserve.engines import engine_kwargs, shutdown_llm
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -23,7 +23,7 @@ def configurations(k: int) -> dict[str, dict]:
         "plain": engine_kwargs(False),
         "specserve": engine_kwargs(True, k),
         "vllm-draft_model": engine_kwargs(False) | {"speculative_config": {
-            "method": "draft_model", "model": str(DEFAULT_DRAFT), "num_speculative_tokens": k}},
+            "method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": k}},
         "vllm-ngram": engine_kwargs(False) | {"speculative_config": {
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}},
     }

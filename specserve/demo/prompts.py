@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from plugin.demo.corpus import read_source, split_files
+from specserve.demo.corpus import read_source, split_files
 
 CATEGORIES = {
     "function_body": "a function's signature (and docstring); the body comes next",
@@ -110,11 +110,3 @@ def write_prompts(path: Path) -> list[dict]:
         for p in prompts:
             f.write(json.dumps(p) + "\n")
     return prompts
-
-
-def load_prompts(path: Path | None = None, category: str | None = None) -> list[dict]:
-    from plugin.paths import PROMPTS_FILE
-
-    with open(path or PROMPTS_FILE) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if category is None or r["category"] == category]

