@@ -28,7 +28,7 @@ class ServeProcess:
         self.log_path = Path(log_path or REPO_ROOT / "out" / "serve.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         bin_dir = Path(sys.executable).parent
-        self.serve, self.ray = bin_dir / "serve", bin_dir / "ray"
+        self.serve = bin_dir / "serve"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([str(self.serve), "run", config], cwd=REPO_ROOT, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -47,8 +47,9 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
-        """Stop serve run, its Ray cluster and the vLLM engine processes under it: `ray stop` alone
-        leaves the engines that the replicas spawned running. A second call does nothing."""
+        """Stop serve run, its Ray cluster and the vLLM engine processes under it, by pid: each process
+        it started and nothing else (`ray stop` would end every Ray instance on the machine, and still
+        leaves the engines that replicas spawned running). A second call does nothing."""
         import psutil
 
         if self.stopped:
@@ -66,7 +67,6 @@ class ServeProcess:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-        subprocess.run([str(self.ray), "stop", "--force"], capture_output=True)
         for process in family:
             try:
                 process.kill()

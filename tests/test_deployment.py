@@ -115,7 +115,19 @@ def test_disconnect_mid_stream_aborts_the_request(serve_app):
     pytest.fail(f"the engine still holds the request after the client left: {counts}")
 
 
-def test_gpu_profile_builds_without_a_gpu():
+@pytest.fixture
+def local_ray():
+    """Ray Serve LLM's build_llm_deployment starts a local Ray instance in this process when none runs:
+    start a small one without a dashboard, and end it after the test, so that no Ray cluster of the test
+    process outlives it (a later `ray stop` would end this process with it)."""
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_gpu_profile_builds_without_a_gpu(local_ray):
     from ray.serve import Application
 
     from deployment.app import build_app, llm_configs

@@ -53,13 +53,14 @@ def test_greedy_text_equals_plain_engine(plain_llm, spec_llm):
                         for p, at, gap in differ)
     assert all(gap < NEAR_TIE_NATS for _, _, gap in differ), "not a near-tie:\n" + message
     assert len(differ) * 32 < len(prompts), f"{len(differ)} of {len(prompts)} differ:\n" + message
-    # Speculation did happen on every request, and most draft tokens were accepted on this aligned pair
-    # (the shipped pair's greedy acceptance rate measured 0.63 at K = 6; 0.5 leaves room for noise).
+    # Speculation did happen on every request, and a large share of the drafts was accepted on this
+    # distilled pair: 0.41 of them measured here at K = 6 (0.62 at the first position); a draft that did
+    # not track the target would have about 1/4096 accepted.
     metrics = [o.outputs[0].spec_decode_metrics for o in spec]
     assert all(m is not None and m.num_draft_tokens > 0 for m in metrics)
     accepted = sum(m.to_dict()["num_accepted_draft_tokens"] for m in metrics)
     rate = accepted / sum(m.num_draft_tokens for m in metrics)
-    assert rate > 0.5, f"greedy acceptance rate {rate:.2f}"
+    assert rate > 0.3, f"greedy acceptance rate {rate:.2f}"
 
 
 TWO_TOKEN_SAMPLES = 3000
