@@ -55,6 +55,7 @@ def speculative_engine_kwargs(
     max_draft_len: int | None = None,
     draft_dtype: str = "auto",
     fault_injection_rate: float = 0.0,
+    profile_steps: bool = False,
     per_request_metrics: str = "summary",
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
@@ -66,6 +67,8 @@ def speculative_engine_kwargs(
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
         for; default min(max_num_seqs, 64) rows of max_model_len positions).
     fault_injection_rate: share of steps whose drafting fails on purpose (tests only).
+    profile_steps: time each phase of the draft step (specserve_stats' profile_seconds; `specserve bench
+        --profile`); off by default, since on a GPU it synchronises the device per phase.
     """
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be at least 1")
@@ -77,6 +80,7 @@ def speculative_engine_kwargs(
         "max_draft_len": max_draft_len,
         "draft_dtype": draft_dtype,
         "fault_injection_rate": fault_injection_rate,
+        "profile_steps": profile_steps,
     }
     return {
         "speculative_config": {

@@ -29,6 +29,7 @@ from plugin import _vllm_internals as internals
 from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
+from plugin.step_profile import StepProfile
 
 logger = logging.getLogger("specserve.proposer")
 _DEFAULT_MAX_ROWS = 64
@@ -80,6 +81,7 @@ class DraftProposer:
         self.valid = np.zeros(self.max_rows, dtype=np.int64)  # cached prefix length per row
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' draft generators
         self.stats = {"steps": 0, "proposed_requests": 0, "draft_tokens": 0, "failures": 0, "draft_seconds": 0.0}
+        self.profile = StepProfile(self.device, bool(options.get("profile_steps")))
 
     # --- wiring ------------------------------------------------------------------------------------
 
@@ -141,12 +143,15 @@ class DraftProposer:
     def _propose(self, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         """The step, in order: follow vLLM's batch rows, plan each row's catch-up, run the draft,
         record what its cache now holds."""
-        self._follow_batch_rows(req_ids)
-        plan = self._plan_catch_up(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        with self.profile.phase("follow_rows"):
+            self._follow_batch_rows(req_ids)
+        with self.profile.phase("plan"):
+            plan = self._plan_catch_up(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         if not plan.drafting.any():
             return [[] for _ in sampled_token_ids], None
         drafts, q = self._draft(plan, len(sampled_token_ids))
-        return self._commit(plan, drafts, len(sampled_token_ids)), q
+        with self.profile.phase("commit"):
+            return self._commit(plan, drafts, len(sampled_token_ids)), q
 
     def _follow_batch_rows(self, req_ids: list[str]) -> None:
         """Move cache rows so that row i holds the request in vLLM's batch row i."""
@@ -213,12 +218,14 @@ class DraftProposer:
         positions = torch.from_numpy(plan.start).to(self.device)  # [rows]
         last = torch.from_numpy(lengths - 1).to(self.device)  # [rows] index of each row's last real token
         for j in range(k):
-            logits = self._vocab_aligned(self.model.forward(tokens, positions, last))  # [rows, vocab]
-            probs = processed_probs(logits, temperature, top_k, top_p)
-            token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))  # [rows]
-            drafts[:, j] = token
-            if q is not None:
-                q[:rows, j] = probs
+            with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
+                logits = self._vocab_aligned(self.model.forward(tokens, positions, last))  # [rows, vocab]
+            with self.profile.phase("sampling"):
+                probs = processed_probs(logits, temperature, top_k, top_p)
+                token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))  # [rows]
+                drafts[:, j] = token
+                if q is not None:
+                    q[:rows, j] = probs
             positions = positions + last + 1
             tokens, last = token.unsqueeze(1), torch.zeros_like(last)
         return drafts, q

@@ -18,10 +18,10 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 
 
-def configurations(k: int) -> dict[str, dict]:
+def configurations(k: int, profile: bool = False) -> dict[str, dict]:
     return {
         "plain": engine_kwargs(False),
-        "specserve": engine_kwargs(True, k),
+        "specserve": engine_kwargs(True, k, profile_steps=profile),
         "vllm-draft_model": engine_kwargs(False) | {"speculative_config": {
             "method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": k}},
         "vllm-ngram": engine_kwargs(False) | {"speculative_config": {
@@ -37,6 +37,21 @@ def _counters(llm) -> dict[str, float]:
     return totals
 
 
+def _draft_stats(llm, ours: bool) -> dict | None:
+    """The speculator's counters and phase times (only our worker answers specserve_stats)."""
+    return llm.collective_rpc("specserve_stats")[0] if ours else None
+
+
+def step_profile(before: dict, after: dict, seconds: float) -> dict:
+    """Per draft step: ms in each phase and in all drafting, and drafting's share of the wall time."""
+    steps = max(after["steps"] - before["steps"], 1)
+    phases = {name: (after["profile_seconds"][name] - before["profile_seconds"][name]) * 1e3 / steps
+              for name in after["profile_seconds"]}
+    draft_s = after["draft_seconds"] - before["draft_seconds"]
+    return {"steps": steps, "step_ms": seconds * 1e3 / steps, "draft_ms": draft_s * 1e3 / steps,
+            "draft_share": draft_s / seconds, "phases_ms": phases}
+
+
 def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, requests_per_point, log):
     from vllm import LLM, SamplingParams
 
@@ -48,7 +63,7 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
             for batch in batch_sizes:
                 params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
                 n_batches = max(1, requests_per_point // batch)
-                before = _counters(llm)
+                before, draft_before = _counters(llm), _draft_stats(llm, name == "specserve")
                 start = time.perf_counter()
                 tokens = 0
                 for b in range(n_batches):
@@ -56,7 +71,7 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
                     outs = llm.generate(chunk, params, use_tqdm=False)
                     tokens += sum(len(o.outputs[0].token_ids) for o in outs)
                 seconds = time.perf_counter() - start
-                after = _counters(llm)
+                after, draft_after = _counters(llm), _draft_stats(llm, name == "specserve")
                 drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
                 row = {
                     "config": name, "batch": batch, "temperature": temperature,
@@ -65,6 +80,8 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
                     "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
                     "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                 }
+                if draft_before and draft_after.get("profile_enabled"):
+                    row["profile"] = step_profile(draft_before, draft_after, seconds)
                 rows.append(row)
                 log(row)
     finally:
@@ -84,6 +101,15 @@ def print_table(rows):
         print(f"{r['config']:<18}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}{ratio:>10}{mal:>12}{rate:>12}{flag}")
     print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
           "distribution; not like for like.")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        phases = list(profiled[0]["profile"]["phases_ms"])
+        print("\nspecserve draft step profile, ms per engine step (draft share = drafting / wall time)")
+        print(f"{'batch':>6}{'temp':>6}{'step':>8}{'draft':>8}{'share':>7}" + "".join(f"{p:>14}" for p in phases))
+        for r in profiled:
+            prof = r["profile"]
+            print(f"{r['batch']:>6}{r['temperature']:>6.1f}{prof['step_ms']:>8.2f}{prof['draft_ms']:>8.2f}"
+                  f"{prof['draft_share']:>7.0%}" + "".join(f"{prof['phases_ms'][p]:>14.3f}" for p in phases))
 
 
 def main(args) -> int:
@@ -92,7 +118,7 @@ def main(args) -> int:
     prompts = [p["prompt"] for p in load_prompts()]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    configs = configurations(args.k)
+    configs = configurations(args.k, profile=args.profile)
     names = args.configs.split(",") if args.configs else list(configs)
     rows = []
     for name in names:
