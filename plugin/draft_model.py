@@ -102,17 +102,21 @@ class DraftModel:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Feed tokens [B, T] to cache rows 0..B-1 at positions start[i] + t; return the logits [B, V]
-        after position last[i] of each row. Positions past a row's real tokens write scratch entries
-        beyond its valid prefix, which later forwards overwrite before anything reads them."""
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, last: torch.Tensor | None,
+                rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Feed tokens [B, T] to cache rows 0..B-1 (or to the cache rows named by rows [B]) at positions
+        start[i] + t; return the logits [B, V] after position last[i] of each row (None when last is
+        None: a catch-up chunk whose logits nobody reads). Positions past a row's real tokens write
+        scratch entries beyond its valid prefix, which later forwards overwrite before anything reads
+        them. Rows 0..B-1 read the cache as a view; named rows gather theirs (a copy)."""
         batch, width = tokens.shape
         positions = start.unsqueeze(1) + torch.arange(width, device=self.device)
         positions = positions.clamp_max(self.max_len - 1)
         key_len = int(positions.max()) + 1
         mask = (torch.arange(key_len, device=self.device).view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        rows = torch.arange(batch, device=self.device).unsqueeze(1)
+        cache_rows = slice(0, batch) if rows is None else rows
+        rows = (torch.arange(batch, device=self.device) if rows is None else rows).unsqueeze(1)
         groups = self.num_heads // self.num_kv_heads
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
@@ -126,8 +130,8 @@ class DraftModel:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             self.k_cache[i][rows, :, positions] = k.transpose(1, 2)
             self.v_cache[i][rows, :, positions] = v
-            keys = self.k_cache[i, :batch, :, :key_len]
-            values = self.v_cache[i, :batch, :, :key_len]
+            keys = self.k_cache[i, cache_rows, :, :key_len]
+            values = self.v_cache[i, cache_rows, :, :key_len]
             if groups > 1:
                 keys = keys.repeat_interleave(groups, dim=1)
                 values = values.repeat_interleave(groups, dim=1)
@@ -136,5 +140,7 @@ class DraftModel:
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
+        if last is None:
+            return None
         x = x[torch.arange(batch, device=self.device), last]
         return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()

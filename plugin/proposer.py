@@ -1,16 +1,19 @@
 """`DraftProposer`: the draft half of draft-and-verify, as vLLM 0.32's `custom_class` proposer.
 
 Every step, for all running requests together, it catches the draft's KV cache up with each request's
-token prefix (one batched forward over the tokens the draft has not seen, usually the accepted drafts
-plus the recovered or bonus token) and then drafts K tokens, one batched forward per draft position.
-Each draft token is sampled from the request's processed draft distribution q (temperature, top-k,
-top-p; argmax when greedy), and q is handed to the model runner's draft-probability slot, so the
-target verifies with the full min(1, p/q) test.
+tokens (usually just the recovered or bonus token; the whole prefix for a new or preempted request, in
+a forward of its own so that other rows are not padded to it) and then drafts K tokens, one batched
+forward per draft position. Each draft token is sampled from the request's processed draft
+distribution q (temperature, top-k, top-p; argmax when greedy), and q is handed to the model runner's
+draft-probability slot, so the target verifies with the full min(1, p/q) test.
 
-Draft KV state follows the request's tokens, not its history: before each step the cached prefix is
-compared with the request's current tokens and cut back to the common prefix, which rolls back
-rejected drafts and rebuilds whatever vLLM preempted or recomputed. Cache rows follow vLLM's batch
-rows; a request that leaves the batch or finishes loses its row.
+Draft KV state follows the request's tokens, not its history: a cache row holds its request's real
+tokens up to `verified`, then the K - 1 drafts it fed last step. Before each step those drafts are
+compared with the tokens the target kept, and the cache is cut back to the last accepted one, which
+rolls back rejected drafts. A row whose request is new, resumed or moved in from nowhere is rebuilt from
+its tokens. Cache rows follow vLLM's batch rows; a request that leaves the batch or finishes loses its
+row. All of this bookkeeping is array arithmetic over the batch; nothing loops over rows unless the
+batch itself changed.
 
 A failure while drafting (an exception, or running out of device memory) makes that step propose
 nothing: decoding continues without speculation, and the failure is logged and counted.
@@ -33,6 +36,7 @@ from plugin.step_profile import StepProfile
 
 logger = logging.getLogger("specserve.proposer")
 _DEFAULT_MAX_ROWS = 64
+CATCH_UP_WIDTH = 2  # tokens every row may feed in the first draft forward (see DraftProposer._draft)
 
 
 class DraftFault(RuntimeError):
@@ -41,12 +45,14 @@ class DraftFault(RuntimeError):
 
 @dataclass
 class CatchUp:
-    """One step's plan, per batch row (up to max_rows): whether it drafts, the tokens it feeds the draft
-    before drafting (those its cache lacks), and the cache position of the first of them."""
+    """One step's plan, per batch row (up to max_rows): whether it drafts, and the span of its real
+    tokens, token_ids[row, start:end], that its cache lacks and must feed before drafting. A row that
+    does not draft feeds one scratch token at its first free position (start = valid, end = valid + 1)."""
 
     drafting: np.ndarray  # [rows] bool
-    feed: list[np.ndarray]  # rows x [n_i] token ids
     start: np.ndarray  # [rows] int64
+    end: np.ndarray  # [rows] int64
+    token_ids: np.ndarray  # [>= rows, max_model_len] vLLM's token ids per batch row
 
 
 class DraftProposer:
@@ -76,9 +82,12 @@ class DraftProposer:
 
         self.model: Optional[DraftModel] = None
         self.runner = None
-        self.owner: list[Optional[str]] = [None] * self.max_rows  # request id per cache row
-        self.cached = np.zeros((self.max_rows, self.max_len), dtype=np.int64)  # tokens in each row
-        self.valid = np.zeros(self.max_rows, dtype=np.int64)  # cached prefix length per row
+        # Per cache row: the request it holds; how many of its real tokens the cache holds (verified);
+        # how many positions it holds in all (valid: verified plus up to K - 1 drafts); those drafts.
+        self.owner: list[Optional[str]] = [None] * self.max_rows
+        self.verified = np.zeros(self.max_rows, dtype=np.int64)
+        self.valid = np.zeros(self.max_rows, dtype=np.int64)
+        self.drafted = np.zeros((self.max_rows, max(self.k - 1, 0)), dtype=np.int64)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' draft generators
         self.stats = {"steps": 0, "proposed_requests": 0, "draft_tokens": 0, "failures": 0, "draft_seconds": 0.0}
         self.profile = StepProfile(self.device, bool(options.get("profile_steps")))
@@ -100,7 +109,7 @@ class DraftProposer:
         for row, owner in enumerate(self.owner):
             if owner in req_ids:
                 self.owner[row] = None
-                self.valid[row] = 0
+                self._forget(row)
         for req_id in req_ids:
             self.generators.pop(req_id, None)
 
@@ -131,7 +140,7 @@ class DraftProposer:
             drafts, q = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception as exc:  # the draft must never fail a request: skip speculation this step
             self.stats["failures"] += 1
-            self.valid[:] = 0  # a half-finished step may leave rows inconsistent: rebuild them
+            self._forget(slice(None))  # a half-finished step may leave rows inconsistent: rebuild them
             log = logger.warning if isinstance(exc, DraftFault) else logger.exception
             log("specserve: drafting failed (%s); this step decodes without speculation", exc)
             return [[] for _ in range(batch)]
@@ -153,70 +162,76 @@ class DraftProposer:
         with self.profile.phase("commit"):
             return self._commit(plan, drafts, len(sampled_token_ids)), q
 
+    def _forget(self, rows) -> None:
+        """The cache rows hold nothing: their requests are rebuilt from their tokens when they draft."""
+        self.verified[rows] = 0
+        self.valid[rows] = 0
+
     def _follow_batch_rows(self, req_ids: list[str]) -> None:
-        """Move cache rows so that row i holds the request in vLLM's batch row i."""
+        """Move cache rows so that row i holds the request in vLLM's batch row i. Nothing to do, and
+        nothing is done, when the batch kept its rows (most steps)."""
+        held = req_ids[: self.max_rows]
+        if self.owner[: len(held)] == held and not any(self.owner[len(held):]):
+            return
         where = {owner: row for row, owner in enumerate(self.owner) if owner is not None}
-        src, dst = [], []
-        for row, req_id in enumerate(req_ids[: self.max_rows]):
-            old = where.get(req_id)
-            if old is not None and old != row:
-                src.append(old)
-                dst.append(row)
-        if src:
+        moves = [(where[req_id], row) for row, req_id in enumerate(held)
+                 if where.get(req_id, row) != row]
+        if moves:
+            src, dst = map(list, zip(*moves))
             self.model.move_rows(src, dst)
-            self.cached[dst] = self.cached[src]
-            self.valid[dst] = self.valid[src]
-        kept = set(req_ids[: self.max_rows])
+            for state in (self.verified, self.valid, self.drafted):
+                state[dst] = state[src]
         for row in range(self.max_rows):
-            req_id = req_ids[row] if row < len(req_ids) else None
-            if req_id is None or (self.owner[row] != req_id and where.get(req_id) is None):
-                self.valid[row] = 0  # a new (or resumed) request: rebuilt from its tokens
+            req_id = held[row] if row < len(held) else None
+            if req_id is None or req_id not in where:
+                self._forget(row)  # empty, or a new (or resumed) request: rebuilt from its tokens
             self.owner[row] = req_id
-        for req_id in list(self.generators):
-            if req_id not in kept:
-                del self.generators[req_id]
+        for req_id in set(self.generators) - set(held):
+            del self.generators[req_id]
 
     def _plan_catch_up(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> "CatchUp":
-        """Which rows draft this step, and the tokens each must feed first: the cached prefix is cut back
-        to where it stops matching the request's real tokens (rolled-back drafts, preemption), and
-        everything after it is fed again."""
+        """Which rows draft this step, and from which position each feeds its real tokens: the cache
+        keeps its verified tokens and those of its K - 1 drafts that the target accepted; everything
+        after them (the recovered or bonus token, or a whole prefix for a new or preempted request)
+        is fed again. At least the last token is fed: its logits give the first draft."""
         rows = min(len(sampled_token_ids), self.max_rows)
-        feed: list[np.ndarray] = []
-        drafting = np.zeros(rows, dtype=bool)
-        for row in range(rows):
-            n = int(num_tokens_no_spec[row])
-            if not len(sampled_token_ids[row]) or n + self.k > self.max_len:
-                feed.append(np.zeros(0, dtype=np.int64))
-                continue
-            tokens = token_ids_cpu[row, :n]
-            keep = min(int(self.valid[row]), n - 1)  # at least the last token is fed: its logits draft
-            differ = np.nonzero(self.cached[row, :keep] != tokens[:keep])[0]
-            if len(differ):
-                keep = int(differ[0])
-            feed.append(np.asarray(tokens[keep:], dtype=np.int64))
-            self.valid[row] = keep
-            drafting[row] = True
-        return CatchUp(drafting=drafting, feed=feed, start=self.valid[:rows].copy())
+        n = num_tokens_no_spec[:rows].astype(np.int64)  # [rows] real tokens
+        emitted = np.fromiter(map(len, sampled_token_ids[:rows]), dtype=np.int64, count=rows)
+        drafting = (emitted > 0) & (n + self.k <= self.max_len)  # [rows]
+        verified, valid = self.verified[:rows], self.valid[:rows]
+        j = np.arange(self.k - 1)
+        at = np.minimum(verified[:, None] + j, token_ids_cpu.shape[1] - 1)  # [rows, K - 1] draft positions
+        real = np.take_along_axis(token_ids_cpu[:rows], at, axis=1)
+        accepted = (real == self.drafted[:rows]) & (j < (valid - verified)[:, None]) & (at < (n - 1)[:, None])
+        keep = np.minimum(verified + accepted.cumprod(axis=1).sum(axis=1), n - 1)
+        return CatchUp(drafting=drafting, start=np.where(drafting, keep, valid), end=np.where(drafting, n, valid + 1),
+                       token_ids=token_ids_cpu)
 
     def _draft(self, plan: "CatchUp", batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The catch-up forward, then K draft tokens per row, one batched forward per position, each
-        sampled from the row's processed q. Returns drafts [rows, K] and q [batch, K, vocab] (None when
-        every row is greedy: greedy rows are verified by argmax alone)."""
-        rows, k = len(plan.drafting), self.k
-        width = max(len(tokens) for tokens in plan.feed)
-        feed = np.zeros((rows, width), dtype=np.int64)  # [rows, width], right-padded
-        lengths = np.ones(rows, dtype=np.int64)  # [rows]; rows with nothing to feed read position 0
-        for row, tokens in enumerate(plan.feed):
-            feed[row, : len(tokens)] = tokens
-            lengths[row] = max(len(tokens), 1)
+        """The catch-up, then K draft tokens per row, one batched forward per position, each sampled
+        from the row's processed q. Returns drafts [rows, K] and q [batch, K, vocab] (None when every
+        row is greedy: greedy rows are verified by argmax alone).
 
+        Catch-up is not padded to its longest row: most rows feed one or two tokens (the recovered or
+        bonus token, after an all-accepted step the last draft too), so every row feeds at most
+        CATCH_UP_WIDTH tokens in the first draft forward, and the few rows that rebuild a longer prefix
+        feed the rest of it before, in a forward of their own."""
+        rows, k = len(plan.drafting), self.k
+        lengths = plan.end - plan.start  # [rows] >= 1
+        width = min(int(lengths.max()), CATCH_UP_WIDTH)
+        with self.profile.phase("catch_up"):
+            rebuilding = np.nonzero(lengths > width)[0]
+            if len(rebuilding):
+                self._feed(plan.token_ids, rebuilding, plan.start[rebuilding], lengths[rebuilding] - width)
+            tail = np.minimum(lengths, width)  # [rows] tokens each row feeds in the first draft forward
+            first = plan.end - tail  # [rows] position of the first of them
+            tokens = self._gather_tokens(plan.token_ids, np.arange(rows), first, tail, plan.drafting)
         temperature, top_k, top_p, generators = self._sampling_params(rows)
         greedy = temperature <= 0  # [rows]
         drafts = torch.zeros(rows, k, dtype=torch.long, device=self.device)
         q = None if bool(greedy.all()) else torch.zeros(batch, k, self.target_vocab, device=self.device)
-        tokens = torch.from_numpy(feed).to(self.device)  # [rows, width], then [rows, 1]
-        positions = torch.from_numpy(plan.start).to(self.device)  # [rows]
-        last = torch.from_numpy(lengths - 1).to(self.device)  # [rows] index of each row's last real token
+        positions = torch.from_numpy(first).to(self.device)  # [rows]
+        last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
         for j in range(k):
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
                 logits = self._vocab_aligned(self.model.forward(tokens, positions, last))  # [rows, vocab]
@@ -230,21 +245,37 @@ class DraftProposer:
             tokens, last = token.unsqueeze(1), torch.zeros_like(last)
         return drafts, q
 
+    def _gather_tokens(self, token_ids, rows: np.ndarray, first: np.ndarray, count: np.ndarray,
+                       real: np.ndarray | None = None) -> torch.Tensor:
+        """token_ids[row, first : first + count] for each row, right-padded with 0 to [len(rows),
+        max(count)] (rows where real is False feed a 0, writing scratch beyond their valid prefix)."""
+        cols = first[:, None] + np.arange(int(count.max()))  # [len(rows), width]
+        fed = cols < (first + count)[:, None]
+        if real is not None:
+            fed &= real[:, None]
+        tokens = np.take_along_axis(token_ids[rows], np.minimum(cols, token_ids.shape[1] - 1), axis=1)
+        return torch.from_numpy(np.where(fed, tokens, 0)).to(self.device)
+
+    def _feed(self, token_ids, rows: np.ndarray, first: np.ndarray, count: np.ndarray) -> None:
+        """Catch rows up on token_ids[row, first : first + count], in one forward of their own."""
+        tokens = self._gather_tokens(token_ids, rows, first, count)
+        self.model.forward(tokens, torch.from_numpy(first).to(self.device), None,
+                           rows=torch.from_numpy(rows).to(self.device))
+
     def _commit(self, plan: "CatchUp", drafts: torch.Tensor, batch: int) -> list[list[int]]:
-        """Record what each drafting row's cache now holds (its catch-up tokens and its first K - 1
+        """Record what each drafting row's cache now holds (its real tokens, then its first K - 1
         drafts; the K-th was never fed) and hand out the drafts."""
-        k = self.k
         drafts_np = drafts.cpu().numpy()
-        out: list[list[int]] = [[] for _ in range(batch)]
-        for row in np.nonzero(plan.drafting)[0]:
-            s, n = int(plan.start[row]), len(plan.feed[row])
-            self.cached[row, s : s + n] = plan.feed[row]
-            self.cached[row, s + n : s + n + k - 1] = drafts_np[row, : k - 1]
-            self.valid[row] = s + n + k - 1
-            out[row] = drafts_np[row].tolist()
-        self.stats["proposed_requests"] += int(plan.drafting.sum())
-        self.stats["draft_tokens"] += int(plan.drafting.sum()) * k
-        return out
+        rows = np.nonzero(plan.drafting)[0]
+        self.verified[rows] = plan.end[rows]
+        self.valid[rows] = plan.end[rows] + self.k - 1
+        self.drafted[rows] = drafts_np[rows, : self.k - 1]
+        out = drafts_np.tolist()
+        for row in np.nonzero(~plan.drafting)[0]:
+            out[row] = []
+        self.stats["proposed_requests"] += len(rows)
+        self.stats["draft_tokens"] += len(rows) * self.k
+        return out + [[] for _ in range(batch - len(out))]
 
     def _sampling_params(self, rows: int):
         """Per row: temperature, top_k, top_p [rows] on the draft's device, and a generator for each

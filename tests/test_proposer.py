@@ -1,0 +1,113 @@
+"""`DraftProposer`'s cache bookkeeping, driven step by step as vLLM's model runner drives it (a stand-in
+runner holding just the batch arrays it reads), against a reference that recomputes every draft
+distribution from scratch: after rollbacks, all-accepted steps, a new long request, rows that move,
+a finished request, a preempted one that comes back, a new one in a row that another just left, and two
+rows that swap."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from deployment.defaults import DEMO_DRAFT  # noqa: E402
+from plugin.draft_model import DraftModel  # noqa: E402
+from plugin.proposer import DraftProposer  # noqa: E402
+
+K, MAX_LEN, VOCAB, SLOTS = 3, 160, 4096, 8
+
+
+def make_proposer() -> DraftProposer:
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K),
+        additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4}},
+        model_config=SimpleNamespace(tokenizer=DEMO_DRAFT, model=DEMO_DRAFT, max_model_len=MAX_LEN,
+                                     dtype=torch.float32, get_vocab_size=lambda: VOCAB),
+        scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
+        device_config=SimpleNamespace(device="cpu"),
+    )
+    proposer = DraftProposer(config)
+    proposer.load_model()
+    return proposer
+
+
+class Batch:
+    """vLLM's persistent batch as the proposer reads it: request ids per row, token ids, sampling arrays."""
+
+    def __init__(self):
+        self.req_ids: list[str] = []
+        self.token_ids = np.zeros((SLOTS, MAX_LEN), dtype=np.int32)
+        self.temperature_cpu = np.ones(SLOTS, dtype=np.float32)
+        self.top_k_cpu = np.zeros(SLOTS, dtype=np.int32)
+        self.top_p_cpu = np.ones(SLOTS, dtype=np.float32)
+        self.generators = {}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = DraftModel(DEMO_DRAFT, max_rows=1, max_len=MAX_LEN)
+
+    def q_after(tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        logits = model.forward(ids, torch.zeros(1, dtype=torch.long), torch.tensor([len(tokens) - 1]))
+        return torch.softmax(logits[0], -1)
+
+    return q_after
+
+
+def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference):
+    rng = np.random.default_rng(0)
+    proposer = make_proposer()
+    batch = Batch()
+    proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
+    sequences: dict[str, list[int]] = {}
+    last_drafts: dict[str, list[int]] = {}
+
+    def place(rows: list[str]):
+        batch.req_ids = list(rows)
+        for row, req in enumerate(rows):
+            batch.token_ids[row, : len(sequences[req])] = sequences[req]
+
+    def step(accept: dict[str, int]):
+        """Verification of last step's drafts (accept[req] of them kept, then one new token), then propose."""
+        for req in batch.req_ids:
+            kept = last_drafts.get(req, [])[: accept.get(req, 0)]
+            sequences[req] += kept + [int(rng.integers(VOCAB))]
+        place(batch.req_ids)
+        n = np.array([len(sequences[r]) for r in batch.req_ids] + [0] * (SLOTS - len(batch.req_ids)))
+        drafts = proposer.propose([[1]] * len(batch.req_ids), n, batch.token_ids)
+        q = proposer.runner._draft_probs
+        assert proposer.runner._draft_prob_req_ids == batch.req_ids
+        for row, req in enumerate(batch.req_ids):
+            assert len(drafts[row]) == K
+            for j in range(K):
+                expected = reference(sequences[req] + drafts[row][:j])
+                torch.testing.assert_close(q[row, j], expected, atol=2e-5, rtol=1e-4)
+            last_drafts[req] = drafts[row]
+
+    sequences.update(a=list(rng.integers(VOCAB, size=10)), b=list(rng.integers(VOCAB, size=25)))
+    place(["a", "b"])
+    step({})
+    step({"a": 1, "b": 0})  # rollbacks: some drafts rejected
+    step({"a": K, "b": K})  # all accepted: the last draft and the bonus are fed
+    sequences["c"] = list(rng.integers(VOCAB, size=60))  # a new long request joins the batch
+    place(["a", "b", "c"])
+    step({"a": 2, "b": 1})
+    step({"a": 0, "b": K, "c": 2})
+    proposer.release({"a"})  # a finishes; vLLM condenses the batch: c moves into row 0
+    place(["c", "b"])
+    step({"c": 1, "b": 2})
+    place(["c"])  # b is preempted ...
+    step({"c": K})
+    place(["c", "b"])  # ... and resumes: rebuilt from its tokens
+    step({"c": 0})
+    step({"c": 2, "b": 1})
+    sequences["d"] = list(rng.integers(VOCAB, size=30))  # b is preempted and new d takes its row at once
+    place(["c", "d"])
+    step({"c": 1})
+    place(["d", "c"])  # the two rows swap
+    step({"d": 2, "c": K})
+    assert proposer.tracked_requests() == {"c", "d"}
+    assert proposer.stats["failures"] == 0
