@@ -56,6 +56,7 @@ def speculative_engine_kwargs(
     draft_dtype: str = "auto",
     fault_injection_rate: float = 0.0,
     profile_steps: bool = False,
+    compile_draft: str = "auto",
     per_request_metrics: str = "summary",
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
@@ -67,11 +68,15 @@ def speculative_engine_kwargs(
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
         for; default min(max_num_seqs, 64) rows of max_model_len positions).
     fault_injection_rate: share of steps whose drafting fails on purpose (tests only).
+    compile_draft: "auto" (compiled one-token draft decode on CUDA, eager on CPU), "on" or "off"; a compile
+        failure falls back to eager.
     profile_steps: time each phase of the draft step (specserve_stats' profile_seconds; `specserve bench
         --profile`); off by default, since on a GPU it synchronises the device per phase.
     """
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be at least 1")
+    if compile_draft not in ("auto", "on", "off"):
+        raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
     if target_model is not None:
         check_shared_vocabulary(target_model, draft_model)
     options = {
@@ -81,6 +86,7 @@ def speculative_engine_kwargs(
         "draft_dtype": draft_dtype,
         "fault_injection_rate": fault_injection_rate,
         "profile_steps": profile_steps,
+        "compile_draft": compile_draft,
     }
     return {
         "speculative_config": {

@@ -1,8 +1,12 @@
-"""The draft model in plain PyTorch: a Llama-family decoder with a KV cache whose rows follow vLLM's
-batch rows, so a batched forward reads the cache as a view, with no gather.
+"""The draft model in plain PyTorch: a decoder with a KV cache whose rows follow vLLM's batch rows, so
+a batched forward reads the cache as a view, with no gather.
 
-Supports Llama and Qwen2 checkpoints in Hugging Face format (safetensors); Qwen2's q/k/v biases and
-grouped-query attention included. Vocabulary checks live in `plugin.config`.
+Two families of Hugging Face checkpoints (safetensors):
+- Llama-style (Llama, Qwen2, Mistral): RMSNorm, rotary positions, SwiGLU, grouped-query attention,
+  Qwen2's q/k/v biases;
+- GPT-2 (the seeds' pair: GPT-2 drafting for GPT-2-medium): LayerNorm with biases, learned positions,
+  tanh-approximated GELU, one fused attention projection (stored as Conv1D, [in, out]).
+Both run the same pre-norm block below. Vocabulary checks live in `plugin.config`.
 """
 
 import json
@@ -11,7 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+LLAMA_STYLE = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+GPT2_STYLE = {"GPT2LMHeadModel"}
+SUPPORTED_ARCHITECTURES = LLAMA_STYLE | GPT2_STYLE
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -34,6 +40,40 @@ def _load_weights(model_dir: Path, device, dtype) -> dict[str, torch.Tensor]:
     return {name: w.to(device=device, dtype=dtype) for name, w in weights.items()}
 
 
+def _llama_layers(w: dict, num_layers: int) -> list[dict]:
+    # q/k/v and gate/up are fused into one matmul each: a small draft is bound by per-op overhead.
+    layers = []
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        biases = [w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+        layers.append({
+            "in_norm": w[p + "input_layernorm.weight"],
+            "post_norm": w[p + "post_attention_layernorm.weight"],
+            "qkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+            "qkv_b": torch.cat(biases) if biases[0] is not None else None,
+            "o": w[p + "self_attn.o_proj.weight"],
+            "up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            "down": w[p + "mlp.down_proj.weight"],
+        })
+    return layers
+
+
+def _gpt2_layers(w: dict, num_layers: int) -> list[dict]:
+    # GPT-2's Conv1D stores weights as [in, out]: transposed once here into F.linear's [out, in].
+    layers = []
+    for i in range(num_layers):
+        p = f"h.{i}."
+        layers.append({
+            "in_norm": w[p + "ln_1.weight"], "in_norm_b": w[p + "ln_1.bias"],
+            "post_norm": w[p + "ln_2.weight"], "post_norm_b": w[p + "ln_2.bias"],
+            "qkv": w[p + "attn.c_attn.weight"].t().contiguous(), "qkv_b": w[p + "attn.c_attn.bias"],
+            "o": w[p + "attn.c_proj.weight"].t().contiguous(), "o_b": w[p + "attn.c_proj.bias"],
+            "up": w[p + "mlp.c_fc.weight"].t().contiguous(), "up_b": w[p + "mlp.c_fc.bias"],
+            "down": w[p + "mlp.c_proj.weight"].t().contiguous(), "down_b": w[p + "mlp.c_proj.bias"],
+        })
+    return layers
+
+
 class DraftModel:
     """Batched incremental decoding over cache rows 0..B-1 (row i = vLLM batch row i)."""
 
@@ -44,39 +84,37 @@ class DraftModel:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"draft model {model_dir}: architecture {arch} is not supported "
                              f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})")
-        self.vocab_size = cfg["vocab_size"]
-        self.num_layers = cfg["num_hidden_layers"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
-        self.eps = cfg.get("rms_norm_eps", 1e-6)
+        self.gpt2 = arch in GPT2_STYLE
         self.max_rows, self.max_len = max_rows, max_len
         self.device, self.dtype = torch.device(device), dtype
-
         w = _load_weights(model_dir, self.device, dtype)
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = w.get("lm_head.weight", self.embed)
-        self.final_norm = w["model.norm.weight"]
-        # q/k/v and gate/up are fused into one matmul each: a small draft is bound by per-op overhead.
-        self.layers = []
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            biases = [w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            self.layers.append({
-                "in_norm": w[p + "input_layernorm.weight"],
-                "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                "qkv_b": torch.cat(biases) if biases[0] is not None else None,
-                "o": w[p + "self_attn.o_proj.weight"],
-                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                "down": w[p + "mlp.down_proj.weight"],
-            })
-
-        inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos().to(self.device, dtype)
-        self.sin = angles.sin().to(self.device, dtype)
+        self.vocab_size = cfg["vocab_size"]
+        if self.gpt2:
+            w = {name.removeprefix("transformer."): t for name, t in w.items()}
+            self.num_layers, self.num_heads = cfg["n_layer"], cfg["n_head"]
+            self.num_kv_heads, self.head_dim = self.num_heads, cfg["n_embd"] // cfg["n_head"]
+            self.eps = cfg.get("layer_norm_epsilon", 1e-5)
+            if max_len > cfg["n_positions"]:
+                raise ValueError(f"draft model {model_dir} has {cfg['n_positions']} positions; "
+                                 f"max_draft_len {max_len} needs more")
+            self.embed, self.positions_embed = w["wte.weight"], w["wpe.weight"]
+            self.lm_head = w.get("lm_head.weight", self.embed)
+            self.final_norm, self.final_norm_b = w["ln_f.weight"], w["ln_f.bias"]
+            self.layers = _gpt2_layers(w, self.num_layers)
+        else:
+            self.num_layers, self.num_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+            self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
+            self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
+            self.eps = cfg.get("rms_norm_eps", 1e-6)
+            self.embed = w["model.embed_tokens.weight"]
+            self.lm_head = w.get("lm_head.weight", self.embed)
+            self.final_norm, self.final_norm_b = w["model.norm.weight"], None
+            self.layers = _llama_layers(w, self.num_layers)
+            inv_freq = 1.0 / (_rope_theta(cfg) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
+            self.cos = angles.cos().to(self.device, dtype)
+            self.sin = angles.sin().to(self.device, dtype)
 
         shape = (self.num_layers, max_rows, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
@@ -92,8 +130,17 @@ class DraftModel:
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def _rms_norm(self, x, weight):
+    def _norm(self, x, weight, bias=None):
+        if self.gpt2:
+            return F.layer_norm(x, weight.shape, weight, bias, self.eps)
         return F.rms_norm(x, weight.shape, weight, self.eps)
+
+    def _mlp(self, h, layer):
+        up = F.linear(h, layer["up"], layer.get("up_b"))
+        if self.gpt2:
+            return F.linear(F.gelu(up, approximate="tanh"), layer["down"], layer["down_b"])
+        gate, up = up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer["down"])
 
     @staticmethod
     def _rotate(x, cos, sin):
@@ -114,20 +161,24 @@ class DraftModel:
         positions = positions.clamp_max(self.max_len - 1)
         key_len = int(positions.max()) + 1
         mask = (torch.arange(key_len, device=self.device).view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cache_rows = slice(0, batch) if rows is None else rows
         rows = (torch.arange(batch, device=self.device) if rows is None else rows).unsqueeze(1)
         groups = self.num_heads // self.num_kv_heads
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
         x = self.embed[tokens]
+        if self.gpt2:
+            x = x + self.positions_embed[positions]
+        else:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["in_norm"])
+            h = self._norm(x, layer["in_norm"], layer.get("in_norm_b"))
             q, k, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim, kv_dim, kv_dim], dim=-1)
             q = q.view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(batch, width, self.num_kv_heads, self.head_dim)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if not self.gpt2:
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             self.k_cache[i][rows, :, positions] = k.transpose(1, 2)
             self.v_cache[i][rows, :, positions] = v
             keys = self.k_cache[i, cache_rows, :, :key_len]
@@ -136,11 +187,57 @@ class DraftModel:
                 keys = keys.repeat_interleave(groups, dim=1)
                 values = values.repeat_interleave(groups, dim=1)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, -1), layer["o"])
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, -1), layer["o"], layer.get("o_b"))
+            x = x + self._mlp(self._norm(x, layer["post_norm"], layer.get("post_norm_b")), layer)
         if last is None:
             return None
         x = x[torch.arange(batch, device=self.device), last]
-        return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+        return F.linear(self._norm(x, self.final_norm, self.final_norm_b), self.lm_head).float()
+
+    def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """One token per cache row 0..B-1: tokens [B, 1] at positions [B]. Returns logits [B, V] and the
+        token's keys and values [layers, B, kv_heads, head_dim], which the caller writes into the cache
+        (`write_kv`). The same arithmetic as forward, with static shapes (attention over all max_len
+        cached positions, masked, plus the new token), no host synchronisation and no writes to its
+        inputs, so that torch.compile traces it into one graph and, on CUDA, one CUDA graph."""
+        batch = tokens.shape[0]
+        at = positions.clamp_max(self.max_len - 1).view(batch, 1)
+        before = (torch.arange(self.max_len, device=self.device) < at).view(batch, 1, 1, -1)  # cached, earlier
+        groups = self.num_heads // self.num_kv_heads
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        scale = self.head_dim ** -0.5
+
+        x = self.embed[tokens]
+        if self.gpt2:
+            x = x + self.positions_embed[at]
+        else:
+            cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer["in_norm"], layer.get("in_norm_b"))
+            q, k, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = q.view(batch, 1, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(batch, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if not self.gpt2:
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            k, v = k.view(batch, self.num_kv_heads, 1, self.head_dim), v.view(batch, self.num_kv_heads, 1, self.head_dim)
+            new_keys.append(k[:, :, 0])
+            new_values.append(v[:, :, 0])
+            q = q.reshape(batch, self.num_kv_heads, groups, self.head_dim)  # grouped-query heads share keys
+            cached = (q @ self.k_cache[i, :batch].transpose(-1, -2)) * scale  # [B, kv_heads, groups, max_len]
+            cached = cached.masked_fill(~before, float("-inf"))
+            own = (q @ k.transpose(-1, -2)) * scale  # [B, kv_heads, groups, 1]
+            weights = torch.cat([cached, own], dim=-1).softmax(dim=-1)
+            attn = weights[..., :-1] @ self.v_cache[i, :batch] + weights[..., -1:] * v  # [B, kv_heads, groups, hd]
+            x = x + F.linear(attn.reshape(batch, 1, -1), layer["o"], layer.get("o_b"))
+            x = x + self._mlp(self._norm(x, layer["post_norm"], layer.get("post_norm_b")), layer)
+        logits = F.linear(self._norm(x[:, 0], self.final_norm, self.final_norm_b), self.lm_head).float()
+        return logits, torch.stack(new_keys), torch.stack(new_values)
+
+    def write_kv(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one token's keys and values [layers, B, kv_heads, head_dim] at positions [B] of rows 0..B-1."""
+        rows = torch.arange(keys.shape[1], device=self.device)
+        at = positions.clamp_max(self.max_len - 1)
+        # Advanced indices separated by a slice put their dimension first: the target is [B, layers, ...].
+        self.k_cache[:, rows, :, at] = keys.transpose(0, 1)
+        self.v_cache[:, rows, :, at] = values.transpose(0, 1)

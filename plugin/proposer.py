@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from plugin import _vllm_internals as internals
+from plugin.compiled_decode import CompiledDecode
 from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
@@ -78,6 +79,13 @@ class DraftProposer:
         self.dtype = torch.float32 if dtype == "auto" and self.device.type == "cpu" else (
             model_config.dtype if dtype == "auto" else getattr(torch, dtype))
         self.fault_rate = float(options.get("fault_injection_rate") or 0.0)
+        compile_draft = options.get("compile_draft", "auto")
+        if compile_draft not in ("auto", "on", "off"):
+            raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
+        # auto: compiled on CUDA (CUDA graphs remove the launch-bound draft's overhead); eager on CPU,
+        # where `specserve bench` measured no gain and inductor adds tens of seconds to start-up.
+        self.compile = compile_draft == "on" or (compile_draft == "auto" and self.device.type == "cuda")
+        self.decode: Optional[CompiledDecode] = None
         self._fault_rng = random.Random(0)
 
         self.model: Optional[DraftModel] = None
@@ -99,6 +107,12 @@ class DraftProposer:
         logger.info("specserve draft %s: %d layers, K=%d, KV cache %d rows x %d positions (%.1f MiB)",
                     self.draft_dir, self.model.num_layers, self.k, self.max_rows, self.max_len,
                     self.model.cache_bytes / 2**20)
+        if self.compile:
+            self.decode = CompiledDecode(self.model, self.max_rows)
+            self.decode.warm_up()
+            logger.info("specserve draft decode compiled for batch sizes %s in %.1f s%s", self.decode.buckets,
+                        self.decode.compile_seconds, f"; falling back to eager: {self.decode.failed}"
+                        if self.decode.failed else "")
 
     def attach(self, runner) -> None:
         """The model runner whose batch rows, sampling parameters and draft-probability slot we use."""
@@ -234,7 +248,11 @@ class DraftProposer:
         last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
         for j in range(k):
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
-                logits = self._vocab_aligned(self.model.forward(tokens, positions, last))  # [rows, vocab]
+                if j > 0 and self.decode is not None:
+                    logits = self.decode(tokens, positions)
+                else:
+                    logits = self.model.forward(tokens, positions, last)
+                logits = self._vocab_aligned(logits)  # [rows, vocab]
             with self.profile.phase("sampling"):
                 probs = processed_probs(logits, temperature, top_k, top_p)
                 token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))  # [rows]

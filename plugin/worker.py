@@ -41,6 +41,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
             "tracked_requests": sorted(drafter.tracked_requests()),
             "runner_requests": sorted(internals.runner_request_ids(self.model_runner)),
             **drafter.stats,
+            "compiled_decode": drafter.decode is not None and drafter.decode.failed is None,
             "profile_enabled": drafter.profile.enabled,
             "profile_seconds": dict(drafter.profile.seconds),
         }

@@ -1,4 +1,5 @@
-"""The plain-PyTorch draft decoder against transformers' own forward, with ragged batched catch-up."""
+"""The plain-PyTorch draft decoder against transformers' own forward (float32, logits within 1e-4), with
+a ragged batched catch-up, one-token steps from the KV cache, and rows that move."""
 
 import pytest
 import torch
@@ -7,12 +8,18 @@ from plugin.draft_model import DraftModel
 
 
 def save_random(tmp_path, kind):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128)
-    if kind == "llama":
+    if kind == "gpt2":  # learned positions, LayerNorm with biases, GELU (tanh), fused c_attn, tied head
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128))
+        with torch.no_grad():  # non-zero biases and norms, so that loading each one is checked
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or "ln_" in name:
+                    param.normal_(0, 0.3)
+    elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, tie_word_embeddings=True, **common))
     else:  # GQA, q/k/v biases, untied head
         model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common))
@@ -25,7 +32,7 @@ def save_random(tmp_path, kind):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_incremental_batched_logits_match_transformers(tmp_path, kind):
     hf = save_random(tmp_path, kind)
     draft = DraftModel(tmp_path, max_rows=4, max_len=64)
@@ -59,6 +66,6 @@ def test_incremental_batched_logits_match_transformers(tmp_path, kind):
 
 
 def test_rejects_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
+    (tmp_path / "config.json").write_text('{"architectures": ["BloomForCausalLM"], "vocab_size": 10}')
     with pytest.raises(ValueError, match="not supported"):
         DraftModel(tmp_path, max_rows=1, max_len=8)

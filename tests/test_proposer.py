@@ -60,6 +60,7 @@ def reference():
 def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference):
     rng = np.random.default_rng(0)
     proposer = make_proposer()
+    assert proposer.decode is None  # compile_draft="auto" stays eager on CPU
     batch = Batch()
     proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
     sequences: dict[str, list[int]] = {}
