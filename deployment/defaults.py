@@ -2,9 +2,11 @@
 the two model ids. `SpecServeArgs` takes its defaults from here, so `serve_config.yaml` need not repeat
 them; the tooling, the tests and the load test read them from here too.
 
-SPECSERVE_TARGET / SPECSERVE_DRAFT point everything at another pair (a path or a hub id).
+SPECSERVE_TARGET / SPECSERVE_DRAFT point everything at another pair (a path or a hub id), and
+SPECSERVE_ENGINE_KWARGS (JSON) changes the engine settings, for example on a GPU.
 """
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -33,3 +35,6 @@ DEMO_ENGINE_KWARGS: dict[str, Any] = {
     # (gpu_model_runner._bookkeeping_sync calls Generator.set_offset, which CPU generators lack).
     "enable_chunked_prefill": False,
 }
+# Another machine's engine settings for the tests and benchmarks run against another pair
+# (scripts/gpu-cluster-check.sh): a JSON object whose keys replace the ones above.
+DEMO_ENGINE_KWARGS |= json.loads(os.environ.get("SPECSERVE_ENGINE_KWARGS") or "{}")

@@ -22,6 +22,7 @@ def configurations(k: int, profile: bool = False) -> dict[str, dict]:
     return {
         "plain": engine_kwargs(False),
         "specserve": engine_kwargs(True, k, profile_steps=profile),
+        "specserve-compiled": engine_kwargs(True, k, profile_steps=profile, compile_draft="on"),
         "vllm-draft_model": engine_kwargs(False) | {"speculative_config": {
             "method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": k}},
         "vllm-ngram": engine_kwargs(False) | {"speculative_config": {
@@ -63,7 +64,7 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
             for batch in batch_sizes:
                 params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
                 n_batches = max(1, requests_per_point // batch)
-                before, draft_before = _counters(llm), _draft_stats(llm, name == "specserve")
+                before, draft_before = _counters(llm), _draft_stats(llm, name.startswith("specserve"))
                 start = time.perf_counter()
                 tokens = 0
                 for b in range(n_batches):
@@ -71,7 +72,7 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
                     outs = llm.generate(chunk, params, use_tqdm=False)
                     tokens += sum(len(o.outputs[0].token_ids) for o in outs)
                 seconds = time.perf_counter() - start
-                after, draft_after = _counters(llm), _draft_stats(llm, name == "specserve")
+                after, draft_after = _counters(llm), _draft_stats(llm, name.startswith("specserve"))
                 drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
                 row = {
                     "config": name, "batch": batch, "temperature": temperature,
@@ -90,15 +91,23 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
 
 
 def print_table(rows):
-    plain = {(r["batch"], r["temperature"]): r["tokens_per_s"] for r in rows if r["config"] == "plain"}
-    print(f"{'config':<18}{'batch':>6}{'temp':>6}{'tok/s':>10}{'vs plain':>10}{'accept len':>12}{'accept rate':>12}")
+    def by_point(config):
+        return {(r["batch"], r["temperature"]): r["tokens_per_s"] for r in rows if r["config"] == config}
+
+    def ratio(value, base):
+        return f"{value / base:.2f}x" if base else "-"
+
+    plain, draft_model = by_point("plain"), by_point("vllm-draft_model")
+    print(f"{'config':<20}{'batch':>6}{'temp':>6}{'tok/s':>10}{'vs plain':>10}{'vs draft_model':>16}"
+          f"{'accept len':>12}{'accept rate':>12}")
     for r in rows:
-        base = plain.get((r["batch"], r["temperature"]))
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        point = (r["batch"], r["temperature"])
         mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         flag = " *" if r["config"].startswith("vllm-") and r["temperature"] > 0 else ""
-        print(f"{r['config']:<18}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}{ratio:>10}{mal:>12}{rate:>12}{flag}")
+        print(f"{r['config']:<20}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}"
+              f"{ratio(r['tokens_per_s'], plain.get(point)):>10}{ratio(r['tokens_per_s'], draft_model.get(point)):>16}"
+              f"{mal:>12}{rate:>12}{flag}")
     print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
           "distribution; not like for like.")
     profiled = [r for r in rows if "profile" in r]
@@ -119,7 +128,11 @@ def main(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     configs = configurations(args.k, profile=args.profile)
-    names = args.configs.split(",") if args.configs else list(configs)
+    names = args.configs.split(",") if args.configs else [n for n in configs if n != "specserve-compiled"]
+    unknown = set(names) - set(configs)
+    if unknown:
+        print(f"specserve bench: unknown configs {sorted(unknown)}; choose from {sorted(configs)}", file=sys.stderr)
+        return 2
     rows = []
     for name in names:
         print(f"[bench] {name}: starting engine", file=sys.stderr, flush=True)

@@ -13,21 +13,26 @@ import torch
 from plugin.sampling import processed_probs, rejection_sample
 
 
-def _time(fn, iters: int) -> float:
-    fn()  # warm-up
+def timed(fn, iters: int, device: torch.device = torch.device("cpu")) -> float:
+    """Mean seconds per call after one warm-up call (the device synchronised around the loop)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    sync()
     return (time.perf_counter() - start) / iters
 
 
-def measure(batch: int, k: int, vocab: int, iters: int) -> dict:
+def measure(batch: int, k: int, vocab: int, iters: int, device: str = "cpu") -> dict:
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(batch)
-    target_logits = torch.randn(batch, k + 1, vocab, generator=gen) * 3
-    draft_probs = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, -1)
-    drafts = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(batch, k)
-    temperature = torch.full((batch * (k + 1),), 0.8)
-    greedy = torch.zeros(batch, dtype=torch.bool)
+    target_logits = (torch.randn(batch, k + 1, vocab, generator=gen) * 3).to(device)
+    draft_probs = torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, -1).to(device)
+    drafts = torch.multinomial(draft_probs.view(-1, vocab), 1).view(batch, k)
+    temperature = torch.full((batch * (k + 1),), 0.8, device=device)
+    greedy = torch.zeros(batch, dtype=torch.bool, device=device)
 
     def plain():
         probs = torch.softmax(target_logits.view(-1, vocab) / 0.8, dim=-1)
@@ -37,7 +42,7 @@ def measure(batch: int, k: int, vocab: int, iters: int) -> dict:
         p = processed_probs(target_logits.view(-1, vocab), temperature).view(batch, k + 1, vocab)
         return rejection_sample(drafts, draft_probs, p, greedy)
 
-    plain_s, exact_s = _time(plain, iters), _time(exact, iters)
+    plain_s, exact_s = timed(plain, iters, device), timed(exact, iters, device)
     return {"batch": batch, "k": k, "vocab": vocab, "plain_ms": plain_s * 1e3, "exact_ms": exact_s * 1e3,
             "ratio": exact_s / plain_s}
 

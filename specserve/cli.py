@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=16, help="requests per (batch size, temperature) point")
-    p.add_argument("--configs", help="comma-separated subset of plain,specserve,vllm-draft_model,vllm-ngram")
+    p.add_argument("--configs", help="comma-separated subset of plain,specserve,specserve-compiled,vllm-draft_model,vllm-ngram "
+                   "(default: all but specserve-compiled)")
     p.add_argument("--profile", action="store_true", help="time each phase of specserve's draft step")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=_cmd_bench)

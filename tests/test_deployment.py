@@ -143,6 +143,21 @@ def test_gpu_profile_builds_without_a_gpu(local_ray):
     assert isinstance(build_app(args), Application)
 
 
+def test_gpt2_profile_builds_without_a_gpu():
+    """The seeds' pair (GPT-2 drafting for GPT-2-medium, K = 5) as a GPU profile."""
+    from ray.serve import Application
+
+    from deployment.app import build_app, llm_configs
+
+    args = app_args("configs/gpt2.yaml")
+    spec, base = llm_configs(args)
+    assert (spec.model_id, base.model_id) == ("gpt2-medium-speculative", "gpt2-medium-baseline")
+    assert spec.engine_kwargs["speculative_config"]["num_speculative_tokens"] == 5
+    assert spec.engine_kwargs["additional_config"]["specserve"]["draft_model"] == "openai-community/gpt2"
+    assert "speculative_config" not in base.engine_kwargs
+    assert isinstance(build_app(args), Application)
+
+
 def test_embedded_default_comes_from_one_place():
     """serve_config.yaml repeats none of the demo defaults: the pair, K, the engine settings and the
     model ids all come from deployment.defaults through SpecServeArgs."""
