@@ -143,7 +143,7 @@ def test_gpu_profile_builds_without_a_gpu(local_ray):
     assert isinstance(build_app(args), Application)
 
 
-def test_gpt2_profile_builds_without_a_gpu():
+def test_gpt2_profile_builds_without_a_gpu(local_ray):
     """The seeds' pair (GPT-2 drafting for GPT-2-medium, K = 5) as a GPU profile."""
     from ray.serve import Application
 
