@@ -116,6 +116,7 @@ class DraftModel:
             self.cos = angles.cos().to(self.device, dtype)
             self.sin = angles.sin().to(self.device, dtype)
 
+        self._arange = torch.arange(max(max_len, max_rows), device=self.device)
         shape = (self.num_layers, max_rows, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
@@ -157,30 +158,31 @@ class DraftModel:
         scratch entries beyond its valid prefix, which later forwards overwrite before anything reads
         them. Rows 0..B-1 read the cache as a view; named rows gather theirs (a copy)."""
         batch, width = tokens.shape
-        positions = start.unsqueeze(1) + torch.arange(width, device=self.device)
-        positions = positions.clamp_max(self.max_len - 1)
+        positions = (start.unsqueeze(1) + self._arange[:width]).clamp_max(self.max_len - 1)  # [B, T]
         key_len = int(positions.max()) + 1
-        mask = (torch.arange(key_len, device=self.device).view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
+        # One row decoding one token attends to every cached position up to its own: no mask needed.
+        mask = None if batch == width == 1 else (self._arange[:key_len].view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
         cache_rows = slice(0, batch) if rows is None else rows
-        rows = (torch.arange(batch, device=self.device) if rows is None else rows).unsqueeze(1)
+        rows = (self._arange[:batch] if rows is None else rows).unsqueeze(1)
         groups = self.num_heads // self.num_kv_heads
+        heads = self.num_heads + self.num_kv_heads
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
         x = self.embed[tokens]
         if self.gpt2:
             x = x + self.positions_embed[positions]
         else:
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, hd]
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer["in_norm"], layer.get("in_norm_b"))
-            q, k, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = q.view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, width, self.num_kv_heads, self.head_dim)
-            if not self.gpt2:
-                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            self.k_cache[i][rows, :, positions] = k.transpose(1, 2)
-            self.v_cache[i][rows, :, positions] = v
+            qk, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim + kv_dim, kv_dim], dim=-1)
+            qk = qk.view(batch, width, heads, self.head_dim)
+            if not self.gpt2:  # q and k rotated together: half the small ops a draft is bound by
+                qk = self._rotate(qk, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)  # [B, T, heads, hd]
+            q = q.transpose(1, 2)
+            self.k_cache[i][rows, :, positions] = k
+            self.v_cache[i][rows, :, positions] = v.view(batch, width, self.num_kv_heads, self.head_dim)
             keys = self.k_cache[i, cache_rows, :, :key_len]
             values = self.v_cache[i, cache_rows, :, :key_len]
             if groups > 1:
@@ -191,7 +193,7 @@ class DraftModel:
             x = x + self._mlp(self._norm(x, layer["post_norm"], layer.get("post_norm_b")), layer)
         if last is None:
             return None
-        x = x[torch.arange(batch, device=self.device), last]
+        x = x[self._arange[:batch], last]
         return F.linear(self._norm(x, self.final_norm, self.final_norm_b), self.lm_head).float()
 
     def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor):

@@ -254,11 +254,13 @@ class DraftProposer:
                     logits = self.model.forward(tokens, positions, last)
                 logits = self._vocab_aligned(logits)  # [rows, vocab]
             with self.profile.phase("sampling"):
-                probs = processed_probs(logits, temperature, top_k, top_p)
-                token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))  # [rows]
-                drafts[:, j] = token
-                if q is not None:
+                if q is None:  # every row greedy: the argmax is the draft, no distribution needed
+                    token = logits.argmax(-1)  # [rows]
+                else:
+                    probs = processed_probs(logits, temperature, top_k, top_p)
+                    token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))
                     q[:rows, j] = probs
+                drafts[:, j] = token
             positions = positions + last + 1
             tokens, last = token.unsqueeze(1), torch.zeros_like(last)
         return drafts, q
