@@ -38,6 +38,7 @@ from plugin.step_profile import StepProfile
 logger = logging.getLogger("specserve.proposer")
 _DEFAULT_MAX_ROWS = 64
 CATCH_UP_WIDTH = 2  # tokens every row may feed in the first draft forward (see DraftProposer._draft)
+REBUILD_CHUNK = 64  # tokens per row per forward when rows rebuild a longer prefix (DraftProposer._feed)
 
 
 class DraftFault(RuntimeError):
@@ -277,10 +278,16 @@ class DraftProposer:
         return torch.from_numpy(np.where(fed, tokens, 0)).to(self.device)
 
     def _feed(self, token_ids, rows: np.ndarray, first: np.ndarray, count: np.ndarray) -> None:
-        """Catch rows up on token_ids[row, first : first + count], in one forward of their own."""
-        tokens = self._gather_tokens(token_ids, rows, first, count)
-        self.model.forward(tokens, torch.from_numpy(first).to(self.device), None,
-                           rows=torch.from_numpy(rows).to(self.device))
+        """Catch rows up on token_ids[row, first : first + count], in forwards of their own of at most
+        REBUILD_CHUNK tokens per row: rows of different lengths (a batch of new requests) pad to the
+        chunk, not to the longest of them."""
+        for done in range(0, int(count.max()), REBUILD_CHUNK):
+            active = count > done
+            chunk_rows, chunk_first = rows[active], first[active] + done
+            tokens = self._gather_tokens(token_ids, chunk_rows, chunk_first,
+                                         np.minimum(count[active] - done, REBUILD_CHUNK))
+            self.model.forward(tokens, torch.from_numpy(chunk_first).to(self.device), None,
+                               rows=torch.from_numpy(chunk_rows).to(self.device))
 
     def _commit(self, plan: "CatchUp", drafts: torch.Tensor, batch: int) -> list[list[int]]:
         """Record what each drafting row's cache now holds (its real tokens, then its first K - 1

@@ -16,7 +16,7 @@ from deployment.defaults import DEMO_DRAFT  # noqa: E402
 from plugin.draft_model import DraftModel  # noqa: E402
 from plugin.proposer import DraftProposer  # noqa: E402
 
-K, MAX_LEN, VOCAB, SLOTS = 3, 160, 4096, 8
+K, MAX_LEN, VOCAB, SLOTS = 3, 320, 4096, 8
 
 
 def make_proposer() -> DraftProposer:
@@ -93,7 +93,7 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     step({})
     step({"a": 1, "b": 0})  # rollbacks: some drafts rejected
     step({"a": K, "b": K})  # all accepted: the last draft and the bonus are fed
-    sequences["c"] = list(rng.integers(VOCAB, size=60))  # a new long request joins the batch
+    sequences["c"] = list(rng.integers(VOCAB, size=150))  # a new long request (three rebuild chunks) joins
     place(["a", "b", "c"])
     step({"a": 2, "b": 1})
     step({"a": 0, "b": K, "c": 2})
