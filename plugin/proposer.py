@@ -247,6 +247,7 @@ class DraftProposer:
         q = None if bool(greedy.all()) else torch.zeros(batch, k, self.target_vocab, device=self.device)
         positions = torch.from_numpy(first).to(self.device)  # [rows]
         last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
+        one_token = torch.zeros_like(last)  # after the first forward every row feeds one token
         for j in range(k):
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
                 if j > 0 and self.decode is not None:
@@ -263,7 +264,7 @@ class DraftProposer:
                     q[:rows, j] = probs
                 drafts[:, j] = token
             positions = positions + last + 1
-            tokens, last = token.unsqueeze(1), torch.zeros_like(last)
+            tokens, last = token.unsqueeze(1), one_token
         return drafts, q
 
     def _gather_tokens(self, token_ids, rows: np.ndarray, first: np.ndarray, count: np.ndarray,
