@@ -18,7 +18,13 @@ class CompiledDecode:
     def __init__(self, model, max_rows: int):
         self.model = model
         self.buckets = [b for b in BUCKETS if b < max_rows] + [max_rows]
-        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        mode = None
+        if model.device.type == "cuda":
+            mode = "reduce-overhead"
+            # The decoder's tensors are attributes of a plain object, not an nn.Module's buffers: without
+            # this, CUDA graph replays would copy each of them (the whole KV cache) into static inputs.
+            for tensor in model.tensors():
+                torch._dynamo.mark_static_address(tensor)
         self.step = torch.compile(model.decode_static, mode=mode, dynamic=False, fullgraph=True)
         self.failed: str | None = None
         self.compile_seconds = 0.0

@@ -121,6 +121,11 @@ class DraftModel:
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the decoder holds: weights, position tables, KV cache."""
+        held = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        return held + [t for layer in self.layers for t in layer.values() if t is not None]
+
     @property
     def cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()

@@ -69,3 +69,12 @@ def test_rejects_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["BloomForCausalLM"], "vocab_size": 10}')
     with pytest.raises(ValueError, match="not supported"):
         DraftModel(tmp_path, max_rows=1, max_len=8)
+
+
+def test_tensors_lists_weights_tables_and_cache(tmp_path):
+    """What the compiled decode marks as static on CUDA: every tensor the decoder reads."""
+    save_random(tmp_path, "qwen2")
+    draft = DraftModel(tmp_path, max_rows=2, max_len=16)
+    ids = {id(t) for t in draft.tensors()}
+    assert {id(draft.k_cache), id(draft.v_cache), id(draft.embed), id(draft.lm_head), id(draft.cos)} <= ids
+    assert all(id(w) in ids for layer in draft.layers for w in layer.values() if w is not None)
