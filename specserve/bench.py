@@ -10,7 +10,7 @@ comparison; it is reported anyway, marked.
 import json
 import time
 
-from deployment.defaults import DEMO_DRAFT
+from deployment.defaults import DEMO_DRAFT, DEMO_TARGET
 from loadtest import load_prompts
 from specserve.engines import engine_kwargs, shutdown_llm
 
@@ -18,14 +18,15 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 
 
-def configurations(k: int, profile: bool = False) -> dict[str, dict]:
+def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, draft: str = DEMO_DRAFT) -> dict[str, dict]:
+    pair = {"target": target, "draft": draft}
     return {
-        "plain": engine_kwargs(False),
-        "specserve": engine_kwargs(True, k, profile_steps=profile),
-        "specserve-compiled": engine_kwargs(True, k, profile_steps=profile, compile_draft="on"),
-        "vllm-draft_model": engine_kwargs(False) | {"speculative_config": {
-            "method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": k}},
-        "vllm-ngram": engine_kwargs(False) | {"speculative_config": {
+        "plain": engine_kwargs(False, target=target),
+        "specserve": engine_kwargs(True, k, **pair, profile_steps=profile),
+        "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
+        "vllm-draft_model": engine_kwargs(False, target=target) | {"speculative_config": {
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": k}},
+        "vllm-ngram": engine_kwargs(False, target=target) | {"speculative_config": {
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}},
     }
 

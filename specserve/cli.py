@@ -65,6 +65,12 @@ def _cmd_loadtest(args) -> int:
     return loadtest(args)
 
 
+def _cmd_verify(args) -> int:
+    from specserve.verify import main as verify
+
+    return verify(args)
+
+
 def _cmd_train_demo(args) -> int:
     from specserve.demo.train import train_demo
 
@@ -118,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     p.set_defaults(func=_cmd_loadtest)
+
+    p = sub.add_parser("verify", help="prove a target/draft pair lossless on this machine and size it")
+    from specserve.verify import add_arguments as verify_arguments
+
+    verify_arguments(p)
+    p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
     p.add_argument("--out", default=str(MODELS_DIR))

@@ -49,24 +49,30 @@ def pair_agreement(target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT) -> dict:
             for k, (a, m, n) in sorted(sums.items())}
 
 
+def decode_step_ms(llm, prompt: str, tokens: int = 128, repeats: int = 3) -> float:
+    """Batch-1 decode step of a running engine: (time for 1 + tokens outputs - time for 1 output) / tokens,
+    median of repeats (for a speculative engine: the time per output token)."""
+    from vllm import SamplingParams
+
+    def timed(n):
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(8)
+    return statistics.median((timed(tokens + 1) - timed(1)) / tokens for _ in range(repeats)) * 1e3
+
+
 def vllm_decode_step_ms(model_dir, prompt: str, tokens: int = 128, repeats: int = 3) -> float:
-    """Batch-1 decode step: (time for 1 + tokens outputs - time for 1 output) / tokens, median."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from specserve.engines import shutdown_llm
 
     llm = LLM(model=str(model_dir), seed=0, **DEMO_ENGINE_KWARGS)
     try:
-        def timed(n):
-            start = time.perf_counter()
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-            return time.perf_counter() - start
-
-        timed(8)
-        steps = [(timed(tokens + 1) - timed(1)) / tokens for _ in range(repeats)]
+        return decode_step_ms(llm, prompt, tokens, repeats)
     finally:
         shutdown_llm(llm)
-    return statistics.median(steps) * 1e3
 
 
 @torch.no_grad()
