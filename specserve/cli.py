@@ -1,6 +1,7 @@
 """`specserve`: the project's command line. Each subcommand imports what it needs when it runs."""
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -33,22 +34,12 @@ def _cmd_math(args) -> int:
     return 0
 
 
-def _cmd_bench_sampler(args) -> int:
-    from specserve.bench_sampler import main as bench
+def _run(module: str):
+    """A subcommand whose module's main(args) runs it, imported only when it runs."""
+    def run(args) -> int:
+        return importlib.import_module(module).main(args)
 
-    return bench(args)
-
-
-def _cmd_bench(args) -> int:
-    from specserve.bench import main as bench
-
-    return bench(args)
-
-
-def _cmd_measure_pair(args) -> int:
-    from specserve.demo.measure import main as measure
-
-    return measure(args)
+    return run
 
 
 def _cmd_make_prompts(args) -> int:
@@ -57,18 +48,6 @@ def _cmd_make_prompts(args) -> int:
     prompts = write_prompts(Path(args.out))
     print(f"wrote {len(prompts)} prompts to {args.out}")
     return 0
-
-
-def _cmd_loadtest(args) -> int:
-    from specserve.loadtest_runner import main as loadtest
-
-    return loadtest(args)
-
-
-def _cmd_verify(args) -> int:
-    from specserve.verify import main as verify
-
-    return verify(args)
 
 
 def _cmd_train_demo(args) -> int:
@@ -97,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", metavar="PATH")
-    p.set_defaults(func=_cmd_bench_sampler)
+    p.set_defaults(func=_run("specserve.bench_sampler"))
 
     p = sub.add_parser("bench", help="plain vLLM vs this plugin vs vLLM's draft_model and ngram methods")
     p.add_argument("--k", type=int, default=6, help="num_speculative_tokens (the demo pair's default)")
@@ -109,11 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all but specserve-compiled)")
     p.add_argument("--profile", action="store_true", help="time each phase of specserve's draft step")
     p.add_argument("--json", metavar="PATH")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_run("specserve.bench"))
 
     p = sub.add_parser("measure-pair", help="alpha, greedy match and cost ratio c of the demo pair")
     p.add_argument("--json", metavar="PATH")
-    p.set_defaults(func=_cmd_measure_pair)
+    p.set_defaults(func=_run("specserve.demo.measure"))
 
     p = sub.add_parser("make-prompts", help="cut the held-out prompts file from held-out stdlib files")
     p.add_argument("--out", default=str(PROMPTS_FILE))
@@ -123,13 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.loadtest_runner import add_arguments
 
     add_arguments(p)
-    p.set_defaults(func=_cmd_loadtest)
+    p.set_defaults(func=_run("specserve.loadtest_runner"))
 
     p = sub.add_parser("verify", help="prove a target/draft pair lossless on this machine and size it")
     from specserve.verify import add_arguments as verify_arguments
 
     verify_arguments(p)
-    p.set_defaults(func=_cmd_verify)
+    p.set_defaults(func=_run("specserve.verify"))
 
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
     p.add_argument("--out", default=str(MODELS_DIR))
