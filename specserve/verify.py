@@ -302,6 +302,8 @@ def method_kwargs(method: str, k: int, target: str, draft: str | None) -> dict:
 
     configs = configurations(k, target=target, draft=draft or target)
     kwargs = configs["plain" if method == "plain" else method] | SAMPLING_ENGINE_KWARGS
+    if method != "plain":  # each request's speculation summary, for vLLM's own methods too
+        kwargs["per_request_spec_decode_metrics"] = "summary"
     if method == "specserve":  # a draft cache row for every request the step admits, so that all draft
         options = kwargs["additional_config"]["specserve"] | {"max_draft_rows": SAMPLING_ENGINE_KWARGS["max_num_seqs"]}
         kwargs["additional_config"] = {"specserve": options}
