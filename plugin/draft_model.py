@@ -154,6 +154,36 @@ class DraftModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """Token embeddings [B, T, d] (plus learned positions for GPT-2), and the rotary tables at
+        positions, [B, T, 1, head_dim] each (None for GPT-2)."""
+        x = self.embed[tokens]
+        if self.gpt2:
+            return x + self.positions_embed[positions], None
+        return x, (self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2))
+
+    def _qkv(self, x: torch.Tensor, layer: dict, rope):
+        """The layer's q [B, T, heads, hd], k and v [B, T, kv_heads, hd] from x [B, T, d]; q and k are
+        rotated together: half the small ops a draft is bound by."""
+        batch, width = x.shape[:2]
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self._norm(x, layer["in_norm"], layer.get("in_norm_b"))
+        qk, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim + kv_dim, kv_dim], dim=-1)
+        qk = qk.view(batch, width, self.num_heads + self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            qk = self._rotate(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
+        return q, k, v.view(batch, width, self.num_kv_heads, self.head_dim)
+
+    def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, layer: dict) -> torch.Tensor:
+        """The output projection of attn [B, T, heads * hd] and the MLP, each added to the residual."""
+        x = x + F.linear(attn, layer["o"], layer.get("o_b"))
+        return x + self._mlp(self._norm(x, layer["post_norm"], layer.get("post_norm_b")), layer)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] (float32) from hidden states [B, d]."""
+        return F.linear(self._norm(x, self.final_norm, self.final_norm_b), self.lm_head).float()
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, last: torch.Tensor | None,
                 rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -170,36 +200,22 @@ class DraftModel:
         cache_rows = slice(0, batch) if rows is None else rows
         rows = (self._arange[:batch] if rows is None else rows).unsqueeze(1)
         groups = self.num_heads // self.num_kv_heads
-        heads = self.num_heads + self.num_kv_heads
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
-        x = self.embed[tokens]
-        if self.gpt2:
-            x = x + self.positions_embed[positions]
-        else:
-            cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, hd]
+        x, rope = self._embed(tokens, positions)
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer["in_norm"], layer.get("in_norm_b"))
-            qk, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim + kv_dim, kv_dim], dim=-1)
-            qk = qk.view(batch, width, heads, self.head_dim)
-            if not self.gpt2:  # q and k rotated together: half the small ops a draft is bound by
-                qk = self._rotate(qk, cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)  # [B, T, heads, hd]
-            q = q.transpose(1, 2)
+            q, k, v = self._qkv(x, layer, rope)
             self.k_cache[i][rows, :, positions] = k
-            self.v_cache[i][rows, :, positions] = v.view(batch, width, self.num_kv_heads, self.head_dim)
+            self.v_cache[i][rows, :, positions] = v
             keys = self.k_cache[i, cache_rows, :, :key_len]
             values = self.v_cache[i, cache_rows, :, :key_len]
             if groups > 1:
                 keys = keys.repeat_interleave(groups, dim=1)
                 values = values.repeat_interleave(groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = x + F.linear(attn.transpose(1, 2).reshape(batch, width, -1), layer["o"], layer.get("o_b"))
-            x = x + self._mlp(self._norm(x, layer["post_norm"], layer.get("post_norm_b")), layer)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+            x = self._finish_layer(x, attn.transpose(1, 2).reshape(batch, width, -1), layer)
         if last is None:
             return None
-        x = x[self._arange[:batch], last]
-        return F.linear(self._norm(x, self.final_norm, self.final_norm_b), self.lm_head).float()
+        return self._logits(x[self._arange[:batch], last])
 
     def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor):
         """One token per cache row 0..B-1: tokens [B, 1] at positions [B]. Returns logits [B, V] and the
@@ -211,35 +227,23 @@ class DraftModel:
         at = positions.clamp_max(self.max_len - 1).view(batch, 1)
         before = (torch.arange(self.max_len, device=self.device) < at).view(batch, 1, 1, -1)  # cached, earlier
         groups = self.num_heads // self.num_kv_heads
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         scale = self.head_dim ** -0.5
 
-        x = self.embed[tokens]
-        if self.gpt2:
-            x = x + self.positions_embed[at]
-        else:
-            cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
+        x, rope = self._embed(tokens, at)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer["in_norm"], layer.get("in_norm_b"))
-            q, k, v = F.linear(h, layer["qkv"], layer["qkv_b"]).split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = q.view(batch, 1, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if not self.gpt2:
-                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            k, v = k.view(batch, self.num_kv_heads, 1, self.head_dim), v.view(batch, self.num_kv_heads, 1, self.head_dim)
-            new_keys.append(k[:, :, 0])
-            new_values.append(v[:, :, 0])
+            q, k, v = self._qkv(x, layer, rope)
+            k, v = k[:, 0], v[:, 0]  # [B, kv_heads, hd]
+            new_keys.append(k)
+            new_values.append(v)
             q = q.reshape(batch, self.num_kv_heads, groups, self.head_dim)  # grouped-query heads share keys
             cached = (q @ self.k_cache[i, :batch].transpose(-1, -2)) * scale  # [B, kv_heads, groups, max_len]
             cached = cached.masked_fill(~before, float("-inf"))
-            own = (q @ k.transpose(-1, -2)) * scale  # [B, kv_heads, groups, 1]
+            own = (q @ k.unsqueeze(-1)) * scale  # [B, kv_heads, groups, 1]
             weights = torch.cat([cached, own], dim=-1).softmax(dim=-1)
-            attn = weights[..., :-1] @ self.v_cache[i, :batch] + weights[..., -1:] * v  # [B, kv_heads, groups, hd]
-            x = x + F.linear(attn.reshape(batch, 1, -1), layer["o"], layer.get("o_b"))
-            x = x + self._mlp(self._norm(x, layer["post_norm"], layer.get("post_norm_b")), layer)
-        logits = F.linear(self._norm(x[:, 0], self.final_norm, self.final_norm_b), self.lm_head).float()
-        return logits, torch.stack(new_keys), torch.stack(new_values)
+            attn = weights[..., :-1] @ self.v_cache[i, :batch] + weights[..., -1:] * v.unsqueeze(2)  # [B, kv_heads, groups, hd]
+            x = self._finish_layer(x, attn.reshape(batch, 1, -1), layer)
+        return self._logits(x[:, 0]), torch.stack(new_keys), torch.stack(new_values)
 
     def write_kv(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store one token's keys and values [layers, B, kv_heads, head_dim] at positions [B] of rows 0..B-1."""
