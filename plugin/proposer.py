@@ -173,7 +173,7 @@ class DraftProposer:
             plan = self._plan_catch_up(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         if not plan.drafting.any():
             return [[] for _ in sampled_token_ids], None
-        drafts, q = self._draft(plan, len(sampled_token_ids))
+        drafts, q = self._draft(plan, req_ids)
         with self.profile.phase("commit"):
             return self._commit(plan, drafts, len(sampled_token_ids)), q
 
@@ -222,9 +222,10 @@ class DraftProposer:
         return CatchUp(drafting=drafting, start=np.where(drafting, keep, valid), end=np.where(drafting, n, valid + 1),
                        token_ids=token_ids_cpu)
 
-    def _draft(self, plan: "CatchUp", batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft(self, plan: "CatchUp", req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The catch-up, then K draft tokens per row, one batched forward per position, each sampled
-        from the row's processed q. Returns drafts [rows, K] and q [batch, K, vocab] (None when every
+        from the row's processed q. req_ids: vLLM's batch rows (batch = len(req_ids); rows = the first
+        max_rows of them). Returns drafts [rows, K] and q [batch, K, vocab] (None when every
         row is greedy: greedy rows are verified by argmax alone).
 
         Catch-up is not padded to its longest row: most rows feed one or two tokens (the recovered or
@@ -241,10 +242,10 @@ class DraftProposer:
             tail = np.minimum(lengths, width)  # [rows] tokens each row feeds in the first draft forward
             first = plan.end - tail  # [rows] position of the first of them
             tokens = self._gather_tokens(plan.token_ids, np.arange(rows), first, tail, plan.drafting)
-        temperature, top_k, top_p, generators = self._sampling_params(rows)
+        temperature, top_k, top_p, generators = self._sampling_params(req_ids[:rows])
         greedy = temperature <= 0  # [rows]
         drafts = torch.zeros(rows, k, dtype=torch.long, device=self.device)
-        q = None if bool(greedy.all()) else torch.zeros(batch, k, self.target_vocab, device=self.device)
+        q = None if bool(greedy.all()) else torch.zeros(len(req_ids), k, self.target_vocab, device=self.device)
         positions = torch.from_numpy(first).to(self.device)  # [rows]
         last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
         one_token = torch.zeros_like(last)  # after the first forward every row feeds one token
@@ -305,11 +306,11 @@ class DraftProposer:
         self.stats["draft_tokens"] += len(rows) * self.k
         return out + [[] for _ in range(batch - len(out))]
 
-    def _sampling_params(self, rows: int):
+    def _sampling_params(self, req_ids: list[str]):
         """Per row: temperature, top_k, top_p [rows] on the draft's device, and a generator for each
         seeded request (its own reproducible draft stream, derived from the request's seed)."""
+        rows = len(req_ids)
         temperature, top_k, top_p, vllm_generators = internals.batch_sampling_params(self.runner, rows)
-        req_ids = internals.batch_request_ids(self.runner, rows)
         generators = [None] * rows
         for row, vllm_gen in vllm_generators.items():
             req_id = req_ids[row]
