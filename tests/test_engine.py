@@ -2,14 +2,13 @@
 
 import collections
 
-import numpy as np
 import pytest
-from scipy import stats
 
 pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
 from loadtest import load_prompts  # noqa: E402
+from specserve.verify import homogeneity  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -73,15 +72,9 @@ def first_two_tokens(llm, prompt, seed0):
     return [tuple(o.outputs[0].token_ids) for o in outs]
 
 
-def homogeneity_p_value(a, b, min_count=5):
-    """Chi-square test that two samples of pairs share one distribution; rare cells pooled."""
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 2 * min_count]
-    rest_a = len(a) - sum(ca[k] for k in keys)
-    rest_b = len(b) - sum(cb[k] for k in keys)
-    table = np.array([[ca[k] for k in keys] + [rest_a], [cb[k] for k in keys] + [rest_b]])
-    table = table[:, table.sum(0) > 0]
-    return stats.chi2_contingency(table).pvalue
+def homogeneity_p_value(a, b):
+    """Chi-square test that two samples of pairs share one distribution; rare cells pooled (specserve verify's test)."""
+    return homogeneity(collections.Counter(a), collections.Counter(b))[0]
 
 
 def test_sampling_distribution_of_first_two_tokens_matches_plain(plain_llm, spec_llm):
