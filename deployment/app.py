@@ -1,5 +1,6 @@
 """The application builder: the target with the exact speculator and the same target without it,
-side by side behind one OpenAI-compatible route, as two model ids.
+side by side behind one OpenAI-compatible route, as two model ids (and, for comparisons, more
+speculative variants of the same pair: fixed K, another K_max).
 
 `serve run serve_config.yaml` calls `build_app` with the YAML's `args`, validated into `SpecServeArgs`.
 """
@@ -35,7 +36,13 @@ class SpecServeArgs(BaseModel):
     engine_kwargs: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_ENGINE_KWARGS),
                                           description="vLLM engine arguments shared by both models")
     speculative_options: dict[str, Any] = Field(default_factory=dict,
-                                                description="extra speculative_engine_kwargs options")
+                                                description="extra speculative_engine_kwargs options "
+                                                            "(k_policy: adaptive, the default; fixed; off)")
+    speculative_variants: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="more speculative model ids on the same target and draft, each with its own "
+                    "speculative_engine_kwargs options over speculative_options (num_speculative_tokens "
+                    "included), e.g. {specserve-k4: {k_policy: fixed, num_speculative_tokens: 4}}")
     deployment_config: dict[str, Any] = Field(default_factory=dict,
                                               description="Ray Serve options per model: autoscaling_config, "
                                                           "max_ongoing_requests, ray_actor_options")
@@ -51,10 +58,17 @@ class SpecServeArgs(BaseModel):
         return str(local) if not value.startswith("/") and local.exists() else value
 
     @model_validator(mode="after")
-    def _two_model_ids(self) -> "SpecServeArgs":
+    def _distinct_model_ids(self) -> "SpecServeArgs":
         if self.baseline_model_id == self.speculative_model_id:
             raise ValueError(f"baseline_model_id must differ from speculative_model_id (both are "
                              f"{self.baseline_model_id!r}): one id cannot name two models")
+        taken = set(self.speculative_variants) & {self.baseline_model_id, self.speculative_model_id}
+        if taken:
+            raise ValueError(f"speculative_variants may not reuse the model ids {sorted(taken)}")
+        for model_id, options in self.speculative_variants.items():
+            options = self.speculative_options | options
+            speculative_engine_kwargs(self.draft_model, options.pop("num_speculative_tokens", self.num_speculative_tokens),
+                                      **options)  # refuses an unknown or invalid option now, not in a replica
         return self
 
 
@@ -77,19 +91,22 @@ def llm_configs(args: SpecServeArgs) -> list:
 
     # Streaming responses end with a usage chunk, which carries the speculation summary.
     engine = args.engine_kwargs | {"enable_force_include_usage": True}
-    speculative = engine | speculative_engine_kwargs(
-        args.draft_model, args.num_speculative_tokens, **args.speculative_options)
-    return [
-        LLMConfig(model_loading_config={"model_id": args.speculative_model_id, "model_source": args.target_model},
-                  engine_kwargs=speculative, **common),
-        LLMConfig(model_loading_config={"model_id": args.baseline_model_id, "model_source": args.target_model},
-                  engine_kwargs=engine, **common),
-    ]
+
+    def speculative(options: dict[str, Any]) -> dict[str, Any]:
+        options = args.speculative_options | options
+        k = options.pop("num_speculative_tokens", args.num_speculative_tokens)
+        return engine | speculative_engine_kwargs(args.draft_model, k, **options)
+
+    models = {args.speculative_model_id: speculative({}), args.baseline_model_id: engine}
+    models |= {model_id: speculative(options) for model_id, options in args.speculative_variants.items()}
+    return [LLMConfig(model_loading_config={"model_id": model_id, "model_source": args.target_model},
+                      engine_kwargs=kwargs, **common) for model_id, kwargs in models.items()]
 
 
 def build_app(args: SpecServeArgs):
     """Both models behind one OpenAI ingress: /v1/completions, /v1/chat/completions, /v1/models,
-    /health, and /v1/specserve/unfinished_requests (per model, for drain checks)."""
+    /health, /v1/specserve/unfinished_requests (per model, for drain checks) and /v1/specserve/stats
+    (per model: the speculator's chosen-K histogram, drafted shares and step-cost model)."""
     from ray import serve
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import make_fastapi_ingress
@@ -101,6 +118,7 @@ def build_app(args: SpecServeArgs):
     endpoints = {k: v for k, v in DEFAULT_ENDPOINTS.items() if k in ("models", "model_data", "completions", "chat")}
     endpoints["health"] = lambda app: app.get("/health")
     endpoints["unfinished_requests"] = lambda app: app.get("/v1/specserve/unfinished_requests")
+    endpoints["speculation_stats"] = lambda app: app.get("/v1/specserve/stats")
     ingress = make_fastapi_ingress(SpecServeIngress, endpoint_map=endpoints)
     options = maybe_apply_llm_deployment_config_defaults(
         SpecServeIngress.get_deployment_options(configs), args.ingress_deployment_config)

@@ -53,19 +53,48 @@ def summarize(samples: list[dict]) -> dict:
     return out
 
 
+BASELINE, BASELINE_REPEAT = "baseline", "baseline-repeat"
+
+
 def speedups(summary: dict) -> dict:
-    """Per concurrency: baseline P50 e2e over speculative P50 e2e (above 1: speculation is faster),
-    the throughput ratio, and the crossover: the lowest concurrency where speculation stops paying."""
-    levels = sorted(set(summary.get("speculative", {})) & set(summary.get("baseline", {})))
-    rows = {}
-    for c in levels:
-        spec, base = summary["speculative"][c], summary["baseline"][c]
-        rows[c] = {
-            "p50_e2e_speedup": base["p50_e2e_s"] / spec["p50_e2e_s"],
-            "throughput_ratio": spec["output_tokens_per_s"] / base["output_tokens_per_s"],
-        }
-    crossover = next((c for c in levels if rows[c]["p50_e2e_speedup"] < 1.0), None)
-    return {"by_concurrency": rows, "crossover_concurrency": crossover}
+    """For every target measured against the baseline, per concurrency: P50 and P95 end-to-end
+    speed-ups (baseline latency over the target's: above 1, the target is faster) and the throughput
+    ratio, and its crossover (the lowest concurrency where its P50 speed-up falls below 1). The
+    speculative target's are also at the top level. A second baseline run ("baseline-repeat") is
+    compared like any target: its ratios are the noise band."""
+    by_target = {}
+    for target in summary:
+        if target == BASELINE:
+            continue
+        levels = sorted(set(summary[target]) & set(summary.get(BASELINE, {})))
+        rows = {}
+        for c in levels:
+            spec, base = summary[target][c], summary[BASELINE][c]
+            rows[c] = {
+                "p50_e2e_speedup": base["p50_e2e_s"] / spec["p50_e2e_s"],
+                "p95_e2e_speedup": base["p95_e2e_s"] / spec["p95_e2e_s"],
+                "throughput_ratio": spec["output_tokens_per_s"] / base["output_tokens_per_s"],
+            }
+        crossover = next((c for c in levels if rows[c]["p50_e2e_speedup"] < 1.0), None)
+        by_target[target] = {"by_concurrency": rows, "crossover_concurrency": crossover}
+    main = by_target.get("speculative", {"by_concurrency": {}, "crossover_concurrency": None})
+    return {**main, "by_target": by_target}
+
+
+def engine_counters(before: dict, after: dict) -> dict:
+    """What a speculative engine did during one level, from its /v1/specserve/stats before and after:
+    the chosen-K histogram (request-steps per K), the share of engine steps in which any request
+    drafted, and the share of finished requests that drafted at least once."""
+    def gained(key):
+        return after[key] - before[key]
+
+    histogram = [a - b for a, b in zip(after["chosen_k_histogram"], before["chosen_k_histogram"])]
+    return {
+        "k_histogram": histogram,
+        "mean_k": sum(k * n for k, n in enumerate(histogram)) / max(sum(histogram), 1),
+        "drafted_step_share": gained("steps_drafted") / max(gained("steps"), 1),
+        "drafted_request_share": gained("finished_requests_drafted") / max(gained("finished_requests"), 1),
+    }
 
 
 def capacity(summary: dict, slo_p95_e2e_s: float, target_rps: float | None = None) -> dict:
@@ -88,24 +117,42 @@ def write_outputs(out_dir: Path, summary: dict, speed: dict, plan: dict | None, 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(
         {"summary": summary, "speedup": speed, "capacity": plan, **extra}, indent=2, default=str))
-    _charts(out_dir, summary, speed)
+    _charts(out_dir, summary, speed, extra)
     (out_dir / "report.md").write_text(markdown(summary, speed, plan, extra))
 
 
+def _k_shares(engine: dict | None) -> str:
+    if not engine:
+        return "-"
+    total = max(sum(engine["k_histogram"]), 1)
+    return " ".join(f"{n / total:.2f}" for n in engine["k_histogram"])
+
+
 def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
-    lines = ["# specserve load test", ""]
+    lines = ["# specserve load test", "", f"**{chart_title(extra)}**", ""]
     for k, v in extra.items():
         lines.append(f"- {k}: {v}")
     lines += ["", "| target | concurrency | requests | failures | measured s | P50 e2e s | P95 e2e s | P50 TPOT ms | "
-              "output tok/s | acceptance |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "output tok/s | acceptance | drafted steps | drafted requests | mean K | chosen K shares (0, 1, ...) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for target, levels in summary.items():
         for c, s in levels.items():
             acc = "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
+            engine = s.get("engine")
+            shares = (f"{engine['drafted_step_share']:.2f} | {engine['drafted_request_share']:.2f} | {engine['mean_k']:.2f}"
+                      if engine else "- | - | -")
             lines.append(f"| {target} | {c} | {s['requests']} | {s['failures']} | {s['measured_s']:.1f} | {s['p50_e2e_s']:.3f} | "
-                         f"{s['p95_e2e_s']:.3f} | {s['p50_tpot_s'] * 1e3:.1f} | {s['output_tokens_per_s']:.1f} | {acc} |")
-    lines += ["", "| concurrency | P50 e2e speed-up | throughput ratio |", "|---|---|---|"]
-    for c, r in speed["by_concurrency"].items():
-        lines.append(f"| {c} | {r['p50_e2e_speedup']:.2f}x | {r['throughput_ratio']:.2f}x |")
+                         f"{s['p95_e2e_s']:.3f} | {s['p50_tpot_s'] * 1e3:.1f} | {s['output_tokens_per_s']:.1f} | {acc} | "
+                         f"{shares} | {_k_shares(engine)} |")
+    lines += ["", "Against the baseline (above 1.00x: better than the baseline):", "",
+              "| target | concurrency | throughput | P50 e2e speed-up | P95 e2e speed-up |", "|---|---|---|---|---|"]
+    for target, result in speed["by_target"].items():
+        for c, r in result["by_concurrency"].items():
+            lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {r['p50_e2e_speedup']:.2f}x | "
+                         f"{r['p95_e2e_speedup']:.2f}x |")
+    if BASELINE_REPEAT in speed["by_target"]:
+        lines += ["", f"The {BASELINE_REPEAT} rows are the same baseline measured again: their distance from 1.00x "
+                  "is this machine's noise."]
     cross = speed["crossover_concurrency"]
     lines += ["", f"Crossover (speculation stops paying): {'none within the tested range' if cross is None else f'concurrency {cross}'}."]
     if plan:
@@ -115,25 +162,47 @@ def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
         for target, p in plan["targets"].items():
             lines.append(f"| {target} | {p['max_concurrency_within_slo']} | {p['requests_per_s_per_replica']:.2f} | "
                          f"{p['replicas_for_target']} |")
-    lines += ["", "Charts: latency.png, tpot.png, throughput.png, speedup.png", ""]
+    lines += ["", "Charts: speedup.png (the speed-ups, read this first), latency.png, tpot.png, throughput.png", ""]
     return "\n".join(lines)
 
 
-def _charts(out_dir: Path, summary: dict, speed: dict) -> None:
+def chart_title(extra: dict) -> str:
+    """What was measured, in one line: models, K policy, output length, time per point."""
+    parts = [extra.get("models_label") or "specserve", f"K policy {extra.get('k_policy', '?')}"]
+    parts.append(f"{extra.get('max_tokens', '?')} output tokens, temperature {extra.get('temperature', '?')}")
+    parts.append(f"{extra.get('duration_s', '?')} s per point")
+    return " · ".join(str(p) for p in parts)
+
+
+def _concurrency_axis(ax, levels) -> None:
+    """Concurrency on a log-2 axis, ticked with the plain numbers measured (1, 2, 4, not 2^0, 2^1)."""
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(levels)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("concurrency (requests in flight)")
+
+
+def _charts(out_dir: Path, summary: dict, speed: dict, extra: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    title = chart_title(extra or {})
+    levels = sorted({c for target in summary.values() for c in target})
+
     def plot(name, ylabel, series):
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, xs, ys, style in series:
             ax.plot(xs, ys, style, marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
+        _concurrency_axis(ax, levels)
         ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=8)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
@@ -151,7 +220,29 @@ def _charts(out_dir: Path, summary: dict, speed: dict) -> None:
     plot("throughput.png", "output tokens/s", [
         (t, sorted(summary[t]), [summary[t][c]["output_tokens_per_s"] for c in sorted(summary[t])], "-")
         for t in summary])
-    xs = sorted(speed["by_concurrency"])
-    ys = [speed["by_concurrency"][c]["p50_e2e_speedup"] for c in xs]
-    plot("speedup.png", "P50 e2e speed-up (baseline / speculative)",
-         [("speed-up", xs, ys, "-"), ("break-even", xs, [1.0] * len(xs), ":")])
+
+    # The speed-up chart: one panel per measure, one line per target, break-even at 1.
+    measures = (("throughput_ratio", "throughput"), ("p50_e2e_speedup", "P50 end-to-end"),
+                ("p95_e2e_speedup", "P95 end-to-end"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    noise = speed["by_target"].get(BASELINE_REPEAT, {}).get("by_concurrency", {})
+    for ax, (key, label) in zip(axes, measures):
+        if noise:
+            band = max(abs(r[key] - 1.0) for r in noise.values())
+            ax.axhspan(1 - band, 1 + band, color="grey", alpha=0.15, label=f"noise band (±{band:.2f})")
+        ax.axhline(1.0, color="black", linestyle=":", linewidth=1.2, label="break-even (baseline)")
+        for target, result in speed["by_target"].items():
+            if target == BASELINE_REPEAT:
+                continue
+            xs = sorted(result["by_concurrency"])
+            ax.plot(xs, [result["by_concurrency"][c][key] for c in xs], marker="o",
+                    linewidth=2.5 if target == "speculative" else 1.2, label=target)
+        _concurrency_axis(ax, levels)
+        ax.set_title(f"{label} speed-up over the baseline")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("speed-up (x), above 1 is better")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=100)
+    plt.close(fig)

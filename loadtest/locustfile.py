@@ -34,7 +34,7 @@ def _report(target: str, sample: Sample, error) -> None:
     for name, value in (("ttft", sample.ttft_s * 1e3), ("tpot", sample.tpot_s * 1e3), ("e2e", sample.e2e_s * 1e3),
                         ("output_tokens", sample.output_tokens)):
         fire(request_type=name, name=target, response_time=value, response_length=0, exception=error)
-    if target == "speculative" and not error:
+    if sample.drafted_tokens and not error:
         fire(request_type="drafted_tokens", name=target, response_time=sample.drafted_tokens, response_length=0)
         fire(request_type="accepted_tokens", name=target, response_time=sample.accepted_tokens, response_length=0)
 
@@ -47,6 +47,8 @@ class _CompletionUser(HttpUser):
 
     def on_start(self):
         self.rng = random.Random()
+        # `specserve loadtest` labels its comparison runs (another model id through the same class).
+        self.target = os.environ.get("SPECSERVE_TARGET_LABEL") or self.target
 
     def complete(self):
         opts = self.environment.parsed_options

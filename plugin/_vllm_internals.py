@@ -79,3 +79,19 @@ def logprobs_tensors(sampler, *args):
     """vLLM's RejectionSampler builds the logprobs of accepted and bonus tokens in a private helper;
     reusing it keeps logprobs identical to vLLM's own spec decode."""
     return sampler._get_logprobs_tensors(*args)
+
+
+def time_target_forward(runner, num_tokens: int, repeats: int = 3) -> float:
+    """Median seconds of the target's forward over num_tokens tokens: the start-up calibration of the
+    speculation policy's step-cost model. vLLM's warm-up runs the same `_dummy_run`; nothing public
+    runs the target without a request."""
+    import time
+
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        runner._dummy_run(num_tokens)
+        if torch.cuda.is_available() and runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return float(np.median(times[1:]))

@@ -3,6 +3,8 @@
 from pathlib import Path
 from typing import Any
 
+from plugin.speculation_policy import POLICIES
+
 PROPOSER_CLASS = "plugin.proposer.DraftProposer"
 WORKER_CLASS = "plugin.worker.SpeculativeWorker"
 CONFIG_KEY = "specserve"
@@ -58,11 +60,16 @@ def speculative_engine_kwargs(
     profile_steps: bool = False,
     compile_draft: str = "auto",
     per_request_metrics: str = "summary",
+    k_policy: str = "adaptive",
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
     and Ray Serve LLM's `engine_kwargs`.
 
-    draft_model: path or hub id of a Llama-family draft sharing the target's vocabulary.
+    draft_model: path or hub id of a Llama-family or GPT-2 draft sharing the target's vocabulary.
+    num_speculative_tokens: K_max, the most draft tokens a request gets in one step.
+    k_policy: "adaptive" (default: each request's K in 0..K_max chosen every step for the most tokens per
+        second, from its live acceptance and the step costs measured in the engine; K = 0 runs no draft
+        work), "fixed" (K_max for every request, every step) or "off" (no drafting at all).
     target_model: when given, the vocabulary check runs here, before any engine starts; the engine
         checks again at start-up either way.
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
@@ -77,6 +84,8 @@ def speculative_engine_kwargs(
         raise ValueError("num_speculative_tokens must be at least 1")
     if compile_draft not in ("auto", "on", "off"):
         raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
+    if k_policy not in POLICIES:
+        raise ValueError(f"k_policy must be one of {POLICIES}, not {k_policy!r}")
     if target_model is not None:
         check_shared_vocabulary(target_model, draft_model)
     options = {
@@ -87,6 +96,7 @@ def speculative_engine_kwargs(
         "fault_injection_rate": fault_injection_rate,
         "profile_steps": profile_steps,
         "compile_draft": compile_draft,
+        "k_policy": k_policy,
     }
     return {
         "speculative_config": {

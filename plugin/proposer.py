@@ -1,14 +1,18 @@
 """`DraftProposer`: the draft half of draft-and-verify, as vLLM 0.32's `custom_class` proposer.
 
-Every step, for all running requests together, it catches the draft's KV cache up with each request's
-tokens (usually just the recovered or bonus token; the whole prefix for a new or preempted request, in
-a forward of its own so that other rows are not padded to it) and then drafts K tokens, one batched
-forward per draft position. Each draft token is sampled from the request's processed draft
+Every step, for all running requests together, it records how many of each request's drafts the target
+accepted, asks the speculation policy (`plugin.speculation_policy`) how many tokens K_i each request
+drafts next (0 to K_max: from the request's acceptance and the measured step costs), catches the draft's
+KV cache up with the tokens of the requests that draft (usually just the recovered or bonus token; the
+whole prefix for a new or preempted request, or one that paused drafting, in a forward of its own so
+that other rows are not padded to it) and then drafts, one batched forward per draft position, each
+forward feeding only the rows whose K_i reaches it. A step in which no request drafts runs no draft
+forward at all. Each draft token is sampled from the request's processed draft
 distribution q (temperature, top-k, top-p; argmax when greedy), and q is handed to the model runner's
 draft-probability slot, so the target verifies with the full min(1, p/q) test.
 
 Draft KV state follows the request's tokens, not its history: a cache row holds its request's real
-tokens up to `verified`, then the K - 1 drafts it fed last step. Before each step those drafts are
+tokens up to `verified`, then the K_i - 1 drafts it fed last step. Before each step those drafts are
 compared with the tokens the target kept, and the cache is cut back to the last accepted one, which
 rolls back rejected drafts. A row whose request is new, resumed or moved in from nowhere is rebuilt from
 its tokens. Cache rows follow vLLM's batch rows; a request that leaves the batch or finishes loses its
@@ -33,6 +37,7 @@ from plugin.compiled_decode import CompiledDecode
 from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
+from plugin.speculation_policy import SpeculationPolicy
 from plugin.step_profile import StepProfile
 
 logger = logging.getLogger("specserve.proposer")
@@ -47,14 +52,19 @@ class DraftFault(RuntimeError):
 
 @dataclass
 class CatchUp:
-    """One step's plan, per batch row (up to max_rows): whether it drafts, and the span of its real
-    tokens, token_ids[row, start:end], that its cache lacks and must feed before drafting. A row that
-    does not draft feeds one scratch token at its first free position (start = valid, end = valid + 1)."""
+    """One step's plan, per batch row (up to max_rows): how many tokens it drafts (k, 0 for none), and
+    the span of its real tokens, token_ids[row, start:end], that its cache lacks and must feed before
+    drafting (empty for a row that does not draft: it feeds scratch from its first unverified position
+    when a later row drafts)."""
 
-    drafting: np.ndarray  # [rows] bool
+    k: np.ndarray  # [rows] int64 draft tokens, 0..K_max
     start: np.ndarray  # [rows] int64
     end: np.ndarray  # [rows] int64
     token_ids: np.ndarray  # [>= rows, max_model_len] vLLM's token ids per batch row
+
+    @property
+    def drafting(self) -> np.ndarray:  # [rows] bool
+        return self.k > 0
 
 
 class DraftProposer:
@@ -71,6 +81,7 @@ class DraftProposer:
         model_config = vllm_config.model_config
         self.k = spec.num_speculative_tokens
         self.draft_dir = resolve_model_dir(options["draft_model"])
+        self.target_model = str(model_config.model)
         check_shared_vocabulary(model_config.tokenizer or model_config.model, self.draft_dir)
         self.target_vocab = model_config.get_vocab_size()
         self.max_rows = options.get("max_draft_rows") or min(vllm_config.scheduler_config.max_num_seqs, _DEFAULT_MAX_ROWS)
@@ -88,17 +99,25 @@ class DraftProposer:
         self.compile = compile_draft == "on" or (compile_draft == "auto" and self.device.type == "cuda")
         self.decode: Optional[CompiledDecode] = None
         self._fault_rng = random.Random(0)
+        self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows)
 
         self.model: Optional[DraftModel] = None
         self.runner = None
         # Per cache row: the request it holds; how many of its real tokens the cache holds (verified);
-        # how many positions it holds in all (valid: verified plus up to K - 1 drafts); those drafts.
+        # how many positions it holds in all (valid: verified plus up to K - 1 drafts); those drafts; how
+        # many it proposed last step (proposed, to count what the target accepted); whether its request
+        # ever drafted.
         self.owner: list[Optional[str]] = [None] * self.max_rows
         self.verified = np.zeros(self.max_rows, dtype=np.int64)
         self.valid = np.zeros(self.max_rows, dtype=np.int64)
         self.drafted = np.zeros((self.max_rows, max(self.k - 1, 0)), dtype=np.int64)
+        self.proposed = np.zeros(self.max_rows, dtype=np.int64)
+        self.ever_drafted = np.zeros(self.max_rows, dtype=bool)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' draft generators
-        self.stats = {"steps": 0, "proposed_requests": 0, "draft_tokens": 0, "failures": 0, "draft_seconds": 0.0}
+        self.stats = {"steps": 0, "steps_drafted": 0, "proposed_requests": 0, "draft_tokens": 0,
+                      "draft_forwards": 0, "draft_row_forwards": 0, "finished_requests": 0,
+                      "finished_requests_drafted": 0, "failures": 0, "draft_seconds": 0.0}
+        self.last_step_seconds = 0.0  # the latest propose call's time (the worker subtracts it from the step)
         self.profile = StepProfile(self.device, bool(options.get("profile_steps")))
 
     # --- wiring ------------------------------------------------------------------------------------
@@ -114,6 +133,19 @@ class DraftProposer:
             logger.info("specserve draft decode compiled for batch sizes %s in %.1f s%s", self.decode.buckets,
                         self.decode.compile_seconds, f"; falling back to eager: {self.decode.failed}"
                         if self.decode.failed else "")
+        self.policy.calibrate_draft({rows: self._time_draft_forward(rows) for rows in (1, min(16, self.max_rows))})
+
+    def _time_draft_forward(self, rows: int, repeats: int = 5) -> float:
+        """Median seconds of one draft forward feeding one token to each of `rows` rows (start-up
+        calibration of the step-cost model; it writes scratch entries only, every row is empty)."""
+        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        start, last = torch.zeros(rows, dtype=torch.long, device=self.device), torch.zeros(rows, dtype=torch.long, device=self.device)
+        times = []
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            self.model.forward(tokens, start, last).cpu()
+            times.append(time.perf_counter() - began)
+        return float(np.median(times[1:]))
 
     def attach(self, runner) -> None:
         """The model runner whose batch rows, sampling parameters and draft-probability slot we use."""
@@ -123,8 +155,11 @@ class DraftProposer:
         """Free the state of finished requests."""
         for row, owner in enumerate(self.owner):
             if owner in req_ids:
+                self.stats["finished_requests"] += 1
+                self.stats["finished_requests_drafted"] += int(self.ever_drafted[row])
                 self.owner[row] = None
                 self._forget(row)
+                self._forget_request(row)
         for req_id in req_ids:
             self.generators.pop(req_id, None)
 
@@ -148,6 +183,7 @@ class DraftProposer:
             return [[] for _ in range(batch)]
         start = time.perf_counter()
         self.stats["steps"] += 1
+        self._forwards = self._row_forwards = self._rebuilds = 0
         try:
             if self.fault_rate and self._fault_rng.random() < self.fault_rate:
                 raise DraftFault("injected draft fault")
@@ -156,26 +192,49 @@ class DraftProposer:
         except Exception as exc:  # the draft must never fail a request: skip speculation this step
             self.stats["failures"] += 1
             self._forget(slice(None))  # a half-finished step may leave rows inconsistent: rebuild them
+            self.proposed[:] = 0
             log = logger.warning if isinstance(exc, DraftFault) else logger.exception
             log("specserve: drafting failed (%s); this step decodes without speculation", exc)
             return [[] for _ in range(batch)]
         finally:
-            self.stats["draft_seconds"] += time.perf_counter() - start
+            self.last_step_seconds = time.perf_counter() - start
+            self.stats["draft_seconds"] += self.last_step_seconds
+            if not self._rebuilds:  # a prefix rebuild is a one-off cost, not the step's
+                self.policy.observe_draft(self._forwards, self._row_forwards, self.last_step_seconds)
         internals.hand_draft_probs(self.runner, q, req_ids)
         return drafts
 
     def _propose(self, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
-        """The step, in order: follow vLLM's batch rows, plan each row's catch-up, run the draft,
-        record what its cache now holds."""
+        """The step, in order: follow vLLM's batch rows, count what the target accepted, choose each
+        row's draft length, plan its catch-up, run the draft, record what its cache now holds."""
+        batch = len(sampled_token_ids)
         with self.profile.phase("follow_rows"):
             self._follow_batch_rows(req_ids)
         with self.profile.phase("plan"):
-            plan = self._plan_catch_up(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            rows = min(batch, self.max_rows)
+            emitted = np.fromiter(map(len, sampled_token_ids[:rows]), dtype=np.int64, count=rows)  # [rows]
+            self._record_acceptance(emitted)
+            n = num_tokens_no_spec[:rows].astype(np.int64)  # [rows] real tokens
+            k = self.policy.choose((emitted > 0) & (n + self.k <= self.max_len), batch)  # [rows]
+            plan = self._plan_catch_up(k, n, token_ids_cpu)
         if not plan.drafting.any():
-            return [[] for _ in sampled_token_ids], None
+            self.proposed[:] = 0
+            return [[] for _ in range(batch)], None
         drafts, q = self._draft(plan, req_ids)
         with self.profile.phase("commit"):
-            return self._commit(plan, drafts, len(sampled_token_ids)), q
+            return self._commit(plan, drafts, batch), q
+
+    def _record_acceptance(self, emitted: np.ndarray) -> None:
+        """Each row emitted its accepted drafts plus one token: feed the policy's acceptance counts."""
+        rows = len(emitted)
+        proposed = np.where(emitted > 0, self.proposed[:rows], 0)
+        self.policy.acceptance.record(proposed, np.maximum(emitted - 1, 0))
+
+    def _forget_request(self, rows) -> None:
+        """The rows hold a new request: no acceptance history, nothing proposed."""
+        self.policy.acceptance.forget(rows)
+        self.proposed[rows] = 0
+        self.ever_drafted[rows] = False
 
     def _forget(self, rows) -> None:
         """The cache rows hold nothing: their requests are rebuilt from their tokens when they draft."""
@@ -194,78 +253,92 @@ class DraftProposer:
         if moves:
             src, dst = map(list, zip(*moves))
             self.model.move_rows(src, dst)
-            for state in (self.verified, self.valid, self.drafted):
+            for state in (self.verified, self.valid, self.drafted, self.proposed, self.ever_drafted):
                 state[dst] = state[src]
+            self.policy.acceptance.move(src, dst)
         for row in range(self.max_rows):
             req_id = held[row] if row < len(held) else None
             if req_id is None or req_id not in where:
                 self._forget(row)  # empty, or a new (or resumed) request: rebuilt from its tokens
+                self._forget_request(row)
             self.owner[row] = req_id
         for req_id in set(self.generators) - set(held):
             del self.generators[req_id]
 
-    def _plan_catch_up(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> "CatchUp":
-        """Which rows draft this step, and from which position each feeds its real tokens: the cache
-        keeps its verified tokens and those of its K - 1 drafts that the target accepted; everything
-        after them (the recovered or bonus token, or a whole prefix for a new or preempted request)
-        is fed again. At least the last token is fed: its logits give the first draft."""
-        rows = min(len(sampled_token_ids), self.max_rows)
-        n = num_tokens_no_spec[:rows].astype(np.int64)  # [rows] real tokens
-        emitted = np.fromiter(map(len, sampled_token_ids[:rows]), dtype=np.int64, count=rows)
-        drafting = (emitted > 0) & (n + self.k <= self.max_len)  # [rows]
+    def _plan_catch_up(self, k: np.ndarray, n: np.ndarray, token_ids_cpu: np.ndarray) -> "CatchUp":
+        """From which position each drafting row (k [rows] > 0; n [rows] real tokens) feeds its real
+        tokens: the cache keeps its verified tokens and those of its K_i - 1 drafts that the target
+        accepted; everything after them (the recovered or bonus token, or a whole prefix for a new or
+        preempted request, or one that paused drafting) is fed again. At least the last token is fed:
+        its logits give the first draft."""
+        rows = len(k)
         verified, valid = self.verified[:rows], self.valid[:rows]
         j = np.arange(self.k - 1)
         at = np.minimum(verified[:, None] + j, token_ids_cpu.shape[1] - 1)  # [rows, K - 1] draft positions
         real = np.take_along_axis(token_ids_cpu[:rows], at, axis=1)
         accepted = (real == self.drafted[:rows]) & (j < (valid - verified)[:, None]) & (at < (n - 1)[:, None])
         keep = np.minimum(verified + accepted.cumprod(axis=1).sum(axis=1), n - 1)
-        return CatchUp(drafting=drafting, start=np.where(drafting, keep, valid), end=np.where(drafting, n, valid + 1),
-                       token_ids=token_ids_cpu)
+        drafting = k > 0
+        return CatchUp(k=k, start=np.where(drafting, keep, 0), end=np.where(drafting, n, 0), token_ids=token_ids_cpu)
 
     def _draft(self, plan: "CatchUp", req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The catch-up, then K draft tokens per row, one batched forward per position, each sampled
-        from the row's processed q. req_ids: vLLM's batch rows (batch = len(req_ids); rows = the first
-        max_rows of them). Returns drafts [rows, K] and q [batch, K, vocab] (None when every
-        row is greedy: greedy rows are verified by argmax alone).
+        """The catch-up, then K_i draft tokens per row, one batched forward per position j, each token
+        sampled from the row's processed q. req_ids: vLLM's batch rows (batch = len(req_ids); rows =
+        the first max_rows of them). Returns drafts [rows, K_max] (a row's first K_i count) and q
+        [batch, K_max, vocab] (None when every drafting row is greedy: greedy rows are verified by
+        argmax alone).
+
+        Forward j feeds rows 0..r-1, r one past the last row with K_i > j, so that the batch reads the
+        cache as a view (gathering the rows that draft would copy their caches); a row in that range
+        that does not draft position j feeds scratch beyond its valid prefix and its token is dropped.
 
         Catch-up is not padded to its longest row: most rows feed one or two tokens (the recovered or
         bonus token, after an all-accepted step the last draft too), so every row feeds at most
         CATCH_UP_WIDTH tokens in the first draft forward, and the few rows that rebuild a longer prefix
         feed the rest of it before, in a forward of their own."""
-        rows, k = len(plan.drafting), self.k
-        lengths = plan.end - plan.start  # [rows] >= 1
-        width = min(int(lengths.max()), CATCH_UP_WIDTH)
+        rows, drafting = len(plan.k), plan.drafting  # drafting [rows] bool
+        lengths = plan.end - plan.start  # [rows] >= 1 where drafting
+        width = min(int(lengths[drafting].max()), CATCH_UP_WIDTH)
         with self.profile.phase("catch_up"):
-            rebuilding = np.nonzero(lengths > width)[0]
+            rebuilding = np.nonzero(drafting & (lengths > width))[0]
             if len(rebuilding):
                 self._feed(plan.token_ids, rebuilding, plan.start[rebuilding], lengths[rebuilding] - width)
-            tail = np.minimum(lengths, width)  # [rows] tokens each row feeds in the first draft forward
-            first = plan.end - tail  # [rows] position of the first of them
-            tokens = self._gather_tokens(plan.token_ids, np.arange(rows), first, tail, plan.drafting)
+            tail = np.where(drafting, np.minimum(lengths, width), 1)  # [rows] tokens fed in the first forward
+            first = np.where(drafting, plan.end - tail, self.verified[:rows])  # [rows] position of the first
+            fed = int(np.nonzero(drafting)[0][-1]) + 1
+            tokens = self._gather_tokens(plan.token_ids, np.arange(fed), first[:fed], tail[:fed], drafting[:fed])
         temperature, top_k, top_p, generators = self._sampling_params(req_ids[:rows])
         greedy = temperature <= 0  # [rows]
-        drafts = torch.zeros(rows, k, dtype=torch.long, device=self.device)
-        q = None if bool(greedy.all()) else torch.zeros(len(req_ids), k, self.target_vocab, device=self.device)
-        positions = torch.from_numpy(first).to(self.device)  # [rows]
+        drafts = torch.zeros(rows, self.k, dtype=torch.long, device=self.device)
+        q = None if bool(greedy[torch.from_numpy(drafting)].all()) else torch.zeros(
+            len(req_ids), self.k, self.target_vocab, device=self.device)
+        positions = torch.from_numpy(first).to(self.device)  # [rows] where each row's next fed token goes
         last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
-        one_token = torch.zeros_like(last)  # after the first forward every row feeds one token
-        for j in range(k):
+        for j in range(int(plan.k.max())):
+            active_np = np.nonzero(plan.k > j)[0]  # [a] rows that draft position j
+            fed = int(active_np[-1]) + 1
+            active = torch.from_numpy(active_np).to(self.device)
+            if j > 0:
+                tokens = drafts[:fed, j - 1].unsqueeze(1)  # [fed, 1]
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
                 if j > 0 and self.decode is not None:
-                    logits = self.decode(tokens, positions)
+                    logits = self.decode(tokens, positions[:fed])
                 else:
-                    logits = self.model.forward(tokens, positions, last)
-                logits = self._vocab_aligned(logits)  # [rows, vocab]
+                    logits = self.model.forward(tokens, positions[:fed], last[:fed])
+                logits = self._vocab_aligned(logits[active])  # [a, vocab]
             with self.profile.phase("sampling"):
                 if q is None:  # every row greedy: the argmax is the draft, no distribution needed
-                    token = logits.argmax(-1)  # [rows]
+                    token = logits.argmax(-1)  # [a]
                 else:
-                    probs = processed_probs(logits, temperature, top_k, top_p)
-                    token = torch.where(greedy, probs.argmax(-1), sample_from(probs, generators))
-                    q[:rows, j] = probs
-                drafts[:, j] = token
-            positions = positions + last + 1
-            tokens, last = token.unsqueeze(1), one_token
+                    probs = processed_probs(logits, temperature[active], top_k[active], top_p[active])
+                    token = torch.where(greedy[active], probs.argmax(-1),
+                                        sample_from(probs, [generators[r] for r in active_np]))
+                    q[active, j] = probs
+                drafts[active, j] = token
+            positions[:fed] += last[:fed] + 1
+            last[:fed] = 0  # after the first forward every row feeds one token
+            self._forwards += 1
+            self._row_forwards += fed
         return drafts, q
 
     def _gather_tokens(self, token_ids, rows: np.ndarray, first: np.ndarray, count: np.ndarray,
@@ -290,20 +363,28 @@ class DraftProposer:
                                          np.minimum(count[active] - done, REBUILD_CHUNK))
             self.model.forward(tokens, torch.from_numpy(chunk_first).to(self.device), None,
                                rows=torch.from_numpy(chunk_rows).to(self.device))
+            self._rebuilds += 1
 
     def _commit(self, plan: "CatchUp", drafts: torch.Tensor, batch: int) -> list[list[int]]:
-        """Record what each drafting row's cache now holds (its real tokens, then its first K - 1
-        drafts; the K-th was never fed) and hand out the drafts."""
+        """Record what each drafting row's cache now holds (its real tokens, then its first K_i - 1
+        drafts; the K_i-th was never fed) and hand out each row's K_i drafts."""
         drafts_np = drafts.cpu().numpy()
         rows = np.nonzero(plan.drafting)[0]
+        k = plan.k[rows]
+        paused = np.nonzero(~plan.drafting)[0]  # their drafts' cache entries may hold scratch now
+        self.valid[paused] = self.verified[paused]
         self.verified[rows] = plan.end[rows]
-        self.valid[rows] = plan.end[rows] + self.k - 1
+        self.valid[rows] = plan.end[rows] + k - 1
         self.drafted[rows] = drafts_np[rows, : self.k - 1]
-        out = drafts_np.tolist()
-        for row in np.nonzero(~plan.drafting)[0]:
-            out[row] = []
+        self.proposed[: len(plan.k)] = plan.k
+        self.proposed[len(plan.k):] = 0
+        self.ever_drafted[rows] = True
+        out = [d[:n] for d, n in zip(drafts_np.tolist(), plan.k.tolist())]
+        self.stats["steps_drafted"] += 1
         self.stats["proposed_requests"] += len(rows)
-        self.stats["draft_tokens"] += len(rows) * self.k
+        self.stats["draft_tokens"] += int(k.sum())
+        self.stats["draft_forwards"] += self._forwards
+        self.stats["draft_row_forwards"] += self._row_forwards
         return out + [[] for _ in range(batch - len(out))]
 
     def _sampling_params(self, req_ids: list[str]):

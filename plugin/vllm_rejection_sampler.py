@@ -62,6 +62,10 @@ class ExactRejectionSampler(RejectionSampler):
         each row its accepted tokens, then one recovered or bonus token, then -1 padding."""
         num_draft = metadata.num_draft_tokens  # [batch] python ints
         batch, width = len(num_draft), metadata.max_spec_len
+        if width == 0:
+            # No request drafted (the policy chose K = 0 for all): logits are one row per request, and
+            # vLLM's plain sampler does exactly what the non-speculative engine does with them.
+            return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
 
         # Bonus tokens: vLLM's own sampler, from the target's processed next distribution.
         bonus_output = self.sampler(

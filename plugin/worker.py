@@ -4,14 +4,27 @@ Set as `worker_cls` by `plugin.speculative_engine_kwargs`. After the model runne
 target (and our `DraftProposer` its draft), it replaces the runner's rejection sampler with
 `ExactRejectionSampler` and gives the proposer the runner, whose batch rows, sampling parameters and
 draft-probability slot it uses. Finished requests' draft state is freed as the scheduler reports them.
+
+It also times every step for the speculation policy: the target's share (the step, from execute_model
+to the end of sample_tokens, less the proposer's own time) against the requests, tokens and drafts the
+scheduler gave it; and once at start-up, after vLLM's warm-up, the target's forward at two sizes.
 """
+
+import logging
+import time
 
 from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
 from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
 
+logger = logging.getLogger("specserve.worker")
+CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 class SpeculativeWorker(internals.platform_worker_class()):
+    _step_started: tuple | None = None
+
     def load_model(self, *args, **kwargs):
         result = super().load_model(*args, **kwargs)
         internals.install_rejection_sampler(self.model_runner, ExactRejectionSampler)
@@ -24,11 +37,51 @@ class SpeculativeWorker(internals.platform_worker_class()):
         drafter = internals.runner_drafter(runner) if runner is not None else None
         return drafter if isinstance(drafter, DraftProposer) else None
 
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        result = super().compile_or_warm_up_model(*args, **kwargs)
+        if drafter := self._draft_proposer():
+            try:
+                seconds = {n: internals.time_target_forward(self.model_runner, n) for n in CALIBRATION_TOKENS}
+                drafter.policy.calibrate_target(seconds)
+                logger.info("specserve: target forward %s ms by scheduled tokens %s (step-cost calibration)",
+                            [round(s * 1e3, 2) for s in seconds.values()], list(seconds))
+            except Exception as exc:  # noqa: BLE001 - the online fit still learns the costs, from a worse start
+                logger.warning("specserve: target calibration failed (%s); the step-cost model starts from its prior", exc)
+        return result
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         drafter = self._draft_proposer()
         if drafter and scheduler_output.finished_req_ids:
             drafter.release(scheduler_output.finished_req_ids)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        if drafter and scheduler_output.total_num_scheduled_tokens:
+            drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
+            self._step_started = (time.perf_counter(), len(scheduler_output.num_scheduled_tokens),
+                                  scheduler_output.total_num_scheduled_tokens, drafts > 0)
+            drafter.last_step_seconds = 0.0
+        output = super().execute_model(scheduler_output, *args, **kwargs)
+        if output is not None:
+            self._end_step(drafter)
+        return output
+
+    def sample_tokens(self, *args, **kwargs):
+        output = super().sample_tokens(*args, **kwargs)
+        self._end_step(self._draft_proposer())
+        return output
+
+    def _end_step(self, drafter: DraftProposer | None) -> None:
+        """The target's time this step (the step less the proposer's part), for the step-cost model."""
+        if drafter is None or self._step_started is None:
+            return
+        started, requests, tokens, drafted = self._step_started
+        self._step_started = None
+        seconds = time.perf_counter() - started - drafter.last_step_seconds
+        drafter.policy.observe_target(requests, tokens, drafted, seconds)
+
+    def specserve_force_costs(self, overrides: dict | None) -> None:
+        """Pin step-cost coefficients in seconds (`StepCosts` fields), or None to lift the pin: for tests
+        and operators, through `LLM.collective_rpc("specserve_force_costs", args=(...,))`."""
+        if drafter := self._draft_proposer():
+            drafter.policy.force_costs(overrides)
 
     def specserve_stats(self) -> dict:
         """Draft-side counters, for `LLM.collective_rpc("specserve_stats")` and the serving layer."""
@@ -40,8 +93,11 @@ class SpeculativeWorker(internals.platform_worker_class()):
             "exact_rejection_sampler": isinstance(self.model_runner.rejection_sampler, ExactRejectionSampler),
             "tracked_requests": sorted(drafter.tracked_requests()),
             "runner_requests": sorted(internals.runner_request_ids(self.model_runner)),
+            "k_max": drafter.k,
+            "models": {"target": drafter.target_model, "draft": str(drafter.draft_dir)},
             **drafter.stats,
             "compiled_decode": drafter.decode is not None and drafter.decode.failed is None,
             "profile_enabled": drafter.profile.enabled,
             "profile_seconds": dict(drafter.profile.seconds),
+            **drafter.policy.summary(),
         }

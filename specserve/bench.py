@@ -1,6 +1,7 @@
-"""`specserve bench`: plain vLLM, this plugin, vLLM's own `draft_model` and `ngram` methods, in one
-process and one run, on the held-out prompts: output tokens/s, mean acceptance length and acceptance
-rate per configuration, batch size and temperature.
+"""`specserve bench`: plain vLLM, this plugin (adaptive K, fixed K, and "off": speculation configured
+but no request ever drafting, which measures what the plumbing costs), vLLM's own `draft_model` and
+`ngram` methods, in one process and one run, on the held-out prompts: output tokens/s, mean acceptance
+length, acceptance rate and (ours) the chosen-K histogram per configuration, batch size and temperature.
 
 vLLM's own methods are measured as shipped. On the CPU build their output at temperature > 0 does not
 follow the target's distribution (see the README), so their tokens/s there is not a like-for-like
@@ -23,6 +24,8 @@ def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, dra
     return {
         "plain": engine_kwargs(False, target=target),
         "specserve": engine_kwargs(True, k, **pair, profile_steps=profile),
+        "specserve-fixed": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="fixed"),
+        "specserve-off": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="off"),
         "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
         "vllm-draft_model": engine_kwargs(False, target=target) | {"speculative_config": {
             "method": "draft_model", "model": str(draft), "num_speculative_tokens": k}},
@@ -82,6 +85,9 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
                     "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
                     "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                 }
+                if draft_before:
+                    row["k_histogram"] = [a - b for a, b in zip(draft_after["chosen_k_histogram"],
+                                                                draft_before["chosen_k_histogram"])]
                 if draft_before and draft_after.get("profile_enabled"):
                     row["profile"] = step_profile(draft_before, draft_after, seconds)
                 rows.append(row)
@@ -89,6 +95,11 @@ def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, req
     finally:
         shutdown_llm(llm)
     return rows
+
+
+def k_shares(histogram: list[int] | None) -> str:
+    total = sum(histogram or [])
+    return " ".join(f"{n / total:.2f}" for n in histogram) if total else ""
 
 
 def print_table(rows):
@@ -100,7 +111,7 @@ def print_table(rows):
 
     plain, draft_model = by_point("plain"), by_point("vllm-draft_model")
     print(f"{'config':<20}{'batch':>6}{'temp':>6}{'tok/s':>10}{'vs plain':>10}{'vs draft_model':>16}"
-          f"{'accept len':>12}{'accept rate':>12}")
+          f"{'accept len':>12}{'accept rate':>12}  chosen K: share of request-steps at 0, 1, ...")
     for r in rows:
         point = (r["batch"], r["temperature"])
         mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
@@ -108,7 +119,7 @@ def print_table(rows):
         flag = " *" if r["config"].startswith("vllm-") and r["temperature"] > 0 else ""
         print(f"{r['config']:<20}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}"
               f"{ratio(r['tokens_per_s'], plain.get(point)):>10}{ratio(r['tokens_per_s'], draft_model.get(point)):>16}"
-              f"{mal:>12}{rate:>12}{flag}")
+              f"{mal:>12}{rate:>12}{flag}  {k_shares(r.get('k_histogram'))}")
     print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
           "distribution; not like for like.")
     profiled = [r for r in rows if "profile" in r]
@@ -129,7 +140,7 @@ def main(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     configs = configurations(args.k, profile=args.profile)
-    names = args.configs.split(",") if args.configs else [n for n in configs if n != "specserve-compiled"]
+    names = args.configs.split(",") if args.configs else ["plain", "specserve", "specserve-fixed", "vllm-draft_model", "vllm-ngram"]
     unknown = set(names) - set(configs)
     if unknown:
         print(f"specserve bench: unknown configs {sorted(unknown)}; choose from {sorted(configs)}", file=sys.stderr)

@@ -79,13 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run("specserve.bench_sampler"))
 
     p = sub.add_parser("bench", help="plain vLLM vs this plugin vs vLLM's draft_model and ngram methods")
-    p.add_argument("--k", type=int, default=6, help="num_speculative_tokens (the demo pair's default)")
-    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--k", type=int, default=6, help="num_speculative_tokens: K_max for adaptive K (the demo pair's default)")
+    p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=16, help="requests per (batch size, temperature) point")
-    p.add_argument("--configs", help="comma-separated subset of plain,specserve,specserve-compiled,vllm-draft_model,vllm-ngram "
-                   "(default: all but specserve-compiled)")
+    p.add_argument("--configs", help="comma-separated subset of plain, specserve (adaptive K), specserve-fixed, "
+                   "specserve-off (K = 0 always), specserve-compiled, vllm-draft_model, vllm-ngram "
+                   "(default: plain, specserve, specserve-fixed, vllm-draft_model, vllm-ngram)")
     p.add_argument("--profile", action="store_true", help="time each phase of specserve's draft step")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=_run("specserve.bench"))

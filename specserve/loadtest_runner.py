@@ -1,6 +1,14 @@
 """`specserve loadtest`: Locust, headless, against each target alone at each concurrency level, then
-the report. Starts `serve run serve_config.yaml` itself when nothing answers at --host, and stops it."""
+the report. Starts `serve run` on --config (serve_config.yaml) itself when nothing answers at --host,
+and stops it.
 
+Targets, in order: the speculative model, any --compare models (more speculative model ids, e.g. the
+fixed-K variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the baseline once
+more (the noise band). For each speculative target the engine's own counters (/v1/specserve/stats)
+are read before and after every level: the chosen-K histogram and the shares of steps and requests
+that drafted come from the engine, since the per-request HTTP summary leaves out steps without drafts."""
+
+import argparse
 import csv
 import os
 import subprocess
@@ -12,10 +20,36 @@ import httpx
 
 from deployment.defaults import REPO_ROOT
 from loadtest import _options
-from loadtest._report import TARGETS, capacity, speedups, summarize, write_outputs
+from loadtest._report import BASELINE, BASELINE_REPEAT, capacity, engine_counters, speedups, summarize, write_outputs
 from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready
 
 USER_CLASS = {"speculative": "SpeculativeUser", "baseline": "BaselineUser"}
+
+
+def plan_targets(args) -> list[tuple[str, str, str]]:
+    """(label, Locust user class, model id) for each target, in the order they are measured."""
+    targets = [("speculative", "SpeculativeUser", args.speculative_model)]
+    targets += [(model, "SpeculativeUser", model) for model in filter(None, (args.compare or "").split(","))]
+    targets.append((BASELINE, "BaselineUser", args.baseline_model))
+    if args.repeat_baseline:
+        targets.append((BASELINE_REPEAT, "BaselineUser", args.baseline_model))
+    return targets
+
+
+def speculation_stats(url: str, model: str) -> dict | None:
+    """The model's engine counters from /v1/specserve/stats, or None when it does not speculate."""
+    try:
+        stats = httpx.get(f"{url}/v1/specserve/stats", timeout=30).raise_for_status().json().get(model)
+    except httpx.HTTPError:
+        return None
+    return stats if stats and stats.get("enabled") else None
+
+
+def models_label(url: str, model: str) -> str:
+    """'target <name> / draft <name>' from the speculative engine's settings, for the charts' title."""
+    stats = speculation_stats(url, model) or {}
+    names = {k: Path(v).name for k, v in (stats.get("models") or {}).items()}
+    return f"target {names.get('target', '?')} / draft {names.get('draft', '?')}" if names else model
 
 
 def log(msg: str) -> None:
@@ -43,19 +77,27 @@ def warm_up(url: str, model: str) -> None:
     httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
 
 
-def locust_command(out: Path, url: str, target: str, concurrency: int, duration: int, args) -> tuple[list[str], dict]:
+def locust_command(out: Path, url: str, target: str, concurrency: int, duration: int, args,
+                   user_class: str | None = None, model: str | None = None) -> tuple[list[str], dict]:
     """Headless Locust for one target at one concurrency (closed loop: users = concurrency), with every
-    load-test option of `args` on its command line. Returns (argv, environment)."""
-    env = os.environ | {"SPECSERVE_SAMPLES_CSV": str(out / "samples.csv"), "SPECSERVE_CONCURRENCY": str(concurrency)}
+    load-test option of `args` on its command line (the user class's model id replaced by `model` when
+    given). Samples are labelled with `target`. Returns (argv, environment)."""
+    user_class = user_class or USER_CLASS[target]
+    options = vars(args).copy()
+    if model is not None:
+        options["speculative_model" if user_class == "SpeculativeUser" else "baseline_model"] = model
+    env = os.environ | {"SPECSERVE_SAMPLES_CSV": str(out / "samples.csv"), "SPECSERVE_CONCURRENCY": str(concurrency),
+                        "SPECSERVE_TARGET_LABEL": target}
     cmd = [str(Path(sys.executable).with_name("locust")), "-f", str(REPO_ROOT / "loadtest"), "--headless",
            "--host", url, "-u", str(concurrency), "-r", str(concurrency), "-t", f"{duration}s",
            "--stop-timeout", "120", "--csv", str(out / "locust" / f"{target}_c{concurrency}"), "--only-summary",
-           "--loglevel", "WARNING", *_options.to_argv(args), USER_CLASS[target]]
+           "--loglevel", "WARNING", *_options.to_argv(argparse.Namespace(**options)), user_class]
     return cmd, env
 
 
-def run_level(out: Path, url: str, target: str, concurrency: int, duration: int, args) -> None:
-    cmd, env = locust_command(out, url, target, concurrency, duration, args)
+def run_level(out: Path, url: str, target: str, concurrency: int, duration: int, args,
+              user_class: str | None = None, model: str | None = None) -> None:
+    cmd, env = locust_command(out, url, target, concurrency, duration, args, user_class, model)
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if result.returncode not in (0, 1):  # 1: some requests failed, which the report shows
         raise RuntimeError(f"locust failed ({result.returncode}):\n{result.stderr[-3000:]}")
@@ -68,18 +110,23 @@ def main(args) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     server = None
     if not is_ready(args.host):
-        log(f"nothing answers at {args.host}; starting serve run serve_config.yaml")
-        server = ServeProcess("serve_config.yaml", out / "serve.log", args.host)
+        log(f"nothing answers at {args.host}; starting serve run {args.config}")
+        server = ServeProcess(args.config, out / "serve.log", args.host)
         log(f"ready in {server.wait_ready():.0f} s")
-    memory = {}
+    memory, engine, spec_stats, title_models = {}, {}, {}, args.speculative_model
     try:
-        for target in TARGETS:
-            warm_up(args.host, getattr(args, f"{target}_model"))
-            memory[target] = {"after_warm_up_bytes": replica_memory_bytes()}
+        for label, user_class, model in plan_targets(args):
+            warm_up(args.host, model)
+            memory[label] = {"after_warm_up_bytes": replica_memory_bytes()}
             for c in levels:
-                log(f"{target}: concurrency {c} for {args.duration} s")
-                run_level(out, args.host, target, c, args.duration, args)
-            memory[target]["at_end_bytes"] = replica_memory_bytes()
+                log(f"{label} ({model}): concurrency {c} for {args.duration} s")
+                before = speculation_stats(args.host, model)
+                run_level(out, args.host, label, c, args.duration, args, user_class, model)
+                if before is not None:
+                    engine.setdefault(label, {})[c] = engine_counters(before, speculation_stats(args.host, model))
+            memory[label]["at_end_bytes"] = replica_memory_bytes()
+        spec_stats = speculation_stats(args.host, args.speculative_model) or {}
+        title_models = models_label(args.host, args.speculative_model)
     finally:
         if server is not None:
             log("stopping the application it started")
@@ -87,11 +134,15 @@ def main(args) -> int:
     with open(out / "samples.csv") as f:
         samples = list(csv.DictReader(f))
     summary = summarize(samples)
+    for label, levels_ in engine.items():
+        for c, counters in levels_.items():
+            summary[label][c]["engine"] = counters
     speed = speedups(summary)
     plan = capacity(summary, args.slo_p95_e2e, args.target_rps) if args.slo_p95_e2e else None
     for target, m in memory.items():
         m["change"] = (m["at_end_bytes"] - m["after_warm_up_bytes"]) / max(m["after_warm_up_bytes"], 1)
-    extra = {"host": args.host, "duration_s": args.duration,
+    extra = {"host": args.host, "duration_s": args.duration, "models_label": title_models,
+             "k_policy": f"{spec_stats.get('k_policy', '?')} (K_max {spec_stats.get('k_max', '?')})",
              **{o.dest: getattr(args, o.dest) for o in _options.OPTIONS}, "replica_memory": memory}
     write_outputs(out, summary, speed, plan, extra)
     print((out / "report.md").read_text())
@@ -101,6 +152,10 @@ def main(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="directory for samples.csv, summary.json, report.md, charts")
     p.add_argument("--host", default=DEFAULT_URL)
+    p.add_argument("--config", default="serve_config.yaml", help="serve config to start when nothing answers at --host")
+    p.add_argument("--compare", help="more speculative model ids to measure like the speculative one "
+                   "(e.g. specserve-k2,specserve-k4,specserve-k6 of configs/k-sweep.yaml)")
+    p.add_argument("--repeat-baseline", action="store_true", help="measure the baseline again at the end: the noise band")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--duration", type=int, default=30, help="seconds per target and concurrency level")
     p.add_argument("--slo-p95-e2e", type=float, help="SLO on P95 end-to-end latency, seconds")

@@ -119,3 +119,48 @@ def test_short_headless_locust_run(serve_app, tmp_path):
             assert float(row["50%"]) > 0 and float(row["95%"]) >= float(row["50%"])
     assert float(rows[("drafted_tokens", "speculative")]["50%"]) > 0
     assert int(rows[("POST", "baseline /v1/completions")]["Failure Count"]) == 0
+
+
+def test_comparison_targets_noise_band_and_engine_counters():
+    """More targets than speculative/baseline: each gets P50/P95 speed-ups and a throughput ratio
+    against the baseline; a repeated baseline is the noise band; engine counters become shares."""
+    from loadtest._report import engine_counters
+
+    samples = FIXED + [sample("specserve-k2", 1, e) for e in (3.0, 3.0, 3.0)] + \
+        [sample("baseline-repeat", 1, e) for e in (2.0, 4.0, 6.0, 8.0, 10.0)]
+    speed = speedups(summarize(samples))
+    assert speed["by_target"]["specserve-k2"]["by_concurrency"][1]["p50_e2e_speedup"] == 2.0
+    assert speed["by_target"]["baseline-repeat"]["by_concurrency"][1]["p95_e2e_speedup"] == 1.0
+    assert speed["by_concurrency"] == speed["by_target"]["speculative"]["by_concurrency"]
+    before = {"chosen_k_histogram": [5, 0, 10], "steps": 10, "steps_drafted": 5, "finished_requests": 2,
+              "finished_requests_drafted": 1}
+    after = {"chosen_k_histogram": [15, 10, 10], "steps": 30, "steps_drafted": 10, "finished_requests": 6,
+             "finished_requests_drafted": 4}
+    counters = engine_counters(before, after)
+    assert counters == {"k_histogram": [10, 10, 0], "mean_k": 0.5, "drafted_step_share": 0.25,
+                        "drafted_request_share": 0.75}
+
+
+def test_charts_read_in_a_minute(tmp_path):
+    """Concurrency ticks are the plain numbers measured; the title names models, K policy, output
+    length and duration; the speed-up chart has a break-even line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from loadtest._report import _concurrency_axis, chart_title
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 4, 16], [1, 1, 1, 1])
+    _concurrency_axis(ax, [1, 2, 4, 16])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "16"]
+    plt.close(fig)
+    title = chart_title({"models_label": "target t / draft d", "k_policy": "adaptive (K_max 6)", "max_tokens": 128,
+                         "temperature": 0.0, "duration_s": 30})
+    assert all(part in title for part in ("target t / draft d", "adaptive", "128 output tokens", "30 s per point"))
+    s = summarize(FIXED)
+    write_outputs(tmp_path, s, speedups(s), None, {"models_label": "m", "k_policy": "adaptive", "duration_s": 30})
+    report = (tmp_path / "report.md").read_text()
+    assert "P95 e2e speed-up" in report and "chosen K shares" in report

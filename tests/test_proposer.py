@@ -2,7 +2,8 @@
 runner holding just the batch arrays it reads), against a reference that recomputes every draft
 distribution from scratch: after rollbacks, all-accepted steps, a new long request, rows that move,
 a finished request, a preempted one that comes back, a new one in a row that another just left, and two
-rows that swap."""
+rows that swap; with every row drafting K tokens, and with per-row draft lengths that change every step
+(0 included: a row that pauses drafting and catches up when it resumes)."""
 
 from types import SimpleNamespace
 
@@ -19,10 +20,10 @@ from plugin.proposer import DraftProposer  # noqa: E402
 K, MAX_LEN, VOCAB, SLOTS = 3, 320, 4096, 8
 
 
-def make_proposer() -> DraftProposer:
+def make_proposer(k_policy: str = "fixed") -> DraftProposer:
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=K),
-        additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4}},
+        additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4, "k_policy": k_policy}},
         model_config=SimpleNamespace(tokenizer=DEMO_DRAFT, model=DEMO_DRAFT, max_model_len=MAX_LEN,
                                      dtype=torch.float32, get_vocab_size=lambda: VOCAB),
         scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
@@ -57,10 +58,14 @@ def reference():
     return q_after
 
 
-def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference):
+@pytest.mark.parametrize("lengths", ["fixed", "varying"])
+def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference, lengths):
     rng = np.random.default_rng(0)
     proposer = make_proposer()
     assert proposer.decode is None  # compile_draft="auto" stays eager on CPU
+    chosen = np.full(4, K)
+    if lengths == "varying":  # the policy's choice, replaced by a random one per row and step
+        proposer.policy.choose = lambda candidates, requests: np.where(candidates, chosen[: len(candidates)], 0)
     batch = Batch()
     proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
     sequences: dict[str, list[int]] = {}
@@ -77,13 +82,16 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
             kept = last_drafts.get(req, [])[: accept.get(req, 0)]
             sequences[req] += kept + [int(rng.integers(VOCAB))]
         place(batch.req_ids)
+        if lengths == "varying":
+            chosen[:] = rng.integers(0, K + 1, size=4)
         n = np.array([len(sequences[r]) for r in batch.req_ids] + [0] * (SLOTS - len(batch.req_ids)))
         drafts = proposer.propose([[1]] * len(batch.req_ids), n, batch.token_ids)
         q = proposer.runner._draft_probs
-        assert proposer.runner._draft_prob_req_ids == batch.req_ids
         for row, req in enumerate(batch.req_ids):
-            assert len(drafts[row]) == K
-            for j in range(K):
+            assert len(drafts[row]) == chosen[row]
+            if chosen[row]:
+                assert proposer.runner._draft_prob_req_ids == batch.req_ids
+            for j in range(chosen[row]):
                 expected = reference(sequences[req] + drafts[row][:j])
                 torch.testing.assert_close(q[row, j], expected, atol=2e-5, rtol=1e-4)
             last_drafts[req] = drafts[row]

@@ -1,0 +1,318 @@
+"""Adaptive speculation: how many draft tokens each request gets next step, from what it has accepted
+and what a step costs. Pure numpy, no vLLM: the proposer feeds it counts and timings, and asks it for
+K per request before drafting.
+
+Vocabulary:
+- acceptance a[i, j]: the chance that request i's draft at position j is accepted, given that the drafts
+  before it were (the target tests draft j only when drafts 0..j-1 passed).
+- gain g[i, j] = a[i, 0] * ... * a[i, j]: the tokens the (j + 1)-th draft adds to the step's expected
+  output. With K drafts request i emits E_i(K) = 1 + g[i, 0] + ... + g[i, K - 1] tokens; the gains never
+  grow with j, so the best set of drafts for a row is always a prefix.
+- step time, for draft lengths K_i over n requests (a linear model whose coefficients `StepCosts` holds):
+      base + drafting * [any K_i > 0] + per_draft_token * sum(K_i) + per_draft_forward * max(K_i)
+  where per_draft_token counts the target verifying one more token and the draft feeding one more row
+  in one forward, and per_draft_forward is one more batched draft forward (the draft runs max(K_i) of
+  them; rows drop out as their K_i runs out).
+- goodput: sum(E_i(K_i)) / step time, in tokens per second. `choose_draft_lengths` maximises it.
+
+Losslessness does not depend on any of this: K is chosen from past acceptance and measured costs only,
+before the step, and every draft is verified by the exact test whatever its number.
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class StepCosts:
+    """Seconds, for the step-time model above; `base` is the step with no drafts for this batch.
+    verify_extra, when given, adds the target's extra time for verifying d more tokens ([d] -> [d]
+    seconds, increasing): a forward's time is not linear in its tokens (flat while the hardware is
+    bound by weight traffic, then rising)."""
+
+    base: float
+    drafting: float = 0.0
+    per_draft_token: float = 0.0
+    per_draft_forward: float = 0.0
+    verify_extra: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
+
+    def token_time(self, d: np.ndarray) -> np.ndarray:
+        """Extra seconds for d draft tokens in the step, d [m] -> [m]."""
+        extra = self.per_draft_token * d
+        return extra if self.verify_extra is None else extra + self.verify_extra(d)
+
+    def step_time(self, k: np.ndarray) -> float:
+        k = np.asarray(k)
+        if not k.size or k.max() == 0:
+            return self.base
+        return float(self.base + self.drafting + self.token_time(np.array([k.sum()]))[0]
+                     + self.per_draft_forward * k.max())
+
+
+def expected_tokens(acceptance: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """E_i(K_i) [n] for acceptance [n, K_max] and draft lengths k [n]."""
+    gains = np.cumprod(acceptance, axis=1)  # [n, K_max]
+    taken = np.arange(acceptance.shape[1]) < np.asarray(k)[:, None]
+    return 1.0 + (gains * taken).sum(axis=1)
+
+
+def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | None = None) -> np.ndarray:
+    """K_i [n] in 0..max_k maximising sum(E_i(K_i)) / step time; K = 0 for all when drafting does not pay.
+
+    For a fixed longest draft M, the best set of d draft tokens is the d largest gains among positions
+    below M (a prefix of each row, since a row's gains never grow), and the time depends on d alone;
+    so trying every M and every d is an exact search, sorted once: O(K_max * n * K_max)."""
+    n, width = acceptance.shape
+    max_k = width if max_k is None else min(max_k, width)
+    best_k, best_rate = np.zeros(n, dtype=np.int64), n / costs.base if costs.base > 0 else 0.0
+    if n == 0 or max_k == 0:
+        return best_k
+    gains = np.cumprod(np.clip(acceptance[:, :max_k], 0.0, 1.0), axis=1)  # [n, max_k]
+    position = np.broadcast_to(np.arange(max_k), gains.shape)
+    order = np.lexsort((position.ravel(), -gains.ravel()))  # largest gain first; earlier position on ties
+    rows_sorted, pos_sorted, gain_sorted = order // max_k, position.ravel()[order], gains.ravel()[order]
+    for longest in range(1, max_k + 1):
+        within = pos_sorted < longest
+        tokens = n + np.cumsum(gain_sorted[within])  # [d] expected tokens with the d best drafts
+        d = np.arange(1, len(tokens) + 1)
+        time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
+        rate = tokens / np.maximum(time, 1e-12)
+        pick = int(rate.argmax())
+        if rate[pick] > best_rate * (1 + 1e-9):
+            best_rate = float(rate[pick])
+            best_k = np.bincount(rows_sorted[within][: pick + 1], minlength=n).astype(np.int64)
+    return best_k
+
+
+@dataclass
+class AcceptanceTracker:
+    """Acceptance estimates per request (per batch row) and per draft position, from counts.
+
+    Engine-wide, per position j: how often draft j was tested and accepted over recent steps (counts
+    decay by `engine_decay` per step, back towards an even Beta(1, 1) prior, so an estimate that stopped
+    drafting is retried once its evidence has aged). Per request: its accepted and tested drafts,
+    decaying by `request_decay` per step, shrunk towards the engine's rate with the weight of
+    `prior_weight` tests. A request's estimate at position j shifts the engine's position-j rate by the
+    request's own log-odds against the engine's: a request the draft predicts well is better at every
+    position, and the positions keep their engine-wide shape."""
+
+    max_k: int
+    rows: int
+    request_decay: float = 0.95
+    engine_decay: float = 0.998
+    prior_weight: float = 8.0
+    engine_tested: np.ndarray = field(init=False)
+    engine_accepted: np.ndarray = field(init=False)
+    tested: np.ndarray = field(init=False)
+    accepted: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.engine_tested = np.zeros(self.max_k)
+        self.engine_accepted = np.zeros(self.max_k)
+        self.tested = np.zeros(self.rows)
+        self.accepted = np.zeros(self.rows)
+
+    def engine_rates(self) -> np.ndarray:
+        """Engine-wide conditional acceptance per position [max_k] (Beta(1, 1) prior)."""
+        return (self.engine_accepted + 1.0) / (self.engine_tested + 2.0)
+
+    def estimate(self, rows: int) -> np.ndarray:
+        """Acceptance [rows, max_k] for batch rows 0..rows-1."""
+        rates = self.engine_rates()
+        overall = (self.engine_accepted.sum() + 1.0) / (self.engine_tested.sum() + 2.0)
+        own = (self.accepted[:rows] + self.prior_weight * overall) / (self.tested[:rows] + self.prior_weight)
+        shift = _logit(own) - _logit(overall)  # [rows]
+        return _sigmoid(_logit(rates)[None, :] + shift[:, None])
+
+    def record(self, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        """One verification step: for rows 0..len-1, drafts verified [rows] and how many of them the
+        target accepted [rows]. Draft j was tested when j <= accepted and j < drafted."""
+        rows = len(drafted)
+        self.tested[: self.rows] *= self.request_decay
+        self.accepted[: self.rows] *= self.request_decay
+        self.engine_tested *= self.engine_decay
+        self.engine_accepted *= self.engine_decay
+        if rows == 0:
+            return
+        drafted, accepted = np.minimum(drafted, self.max_k), np.minimum(accepted, drafted)
+        tested = np.minimum(accepted + 1, drafted)  # [rows]
+        self.tested[:rows] += tested
+        self.accepted[:rows] += accepted
+        j = np.arange(self.max_k)
+        self.engine_tested += (j[None, :] < tested[:, None]).sum(axis=0)
+        self.engine_accepted += (j[None, :] < accepted[:, None]).sum(axis=0)
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        self.tested[dst], self.accepted[dst] = self.tested[src], self.accepted[src]
+
+    def forget(self, rows) -> None:
+        self.tested[rows] = 0.0
+        self.accepted[rows] = 0.0
+
+    def summary(self) -> dict:
+        return {"engine_acceptance_per_position": [round(float(r), 4) for r in self.engine_rates()]}
+
+
+class OnlineLinearCost:
+    """Seconds as a linear function of a step's features, fitted online: least squares over
+    exponentially decaying sums (forgetting `decay` per observation), regularised towards a prior
+    (start-up calibration) with the weight of `prior_weight` observations at the features' `scale`."""
+
+    def __init__(self, names: tuple[str, ...], prior: np.ndarray, scale: np.ndarray,
+                 decay: float = 0.99, prior_weight: float = 3.0):
+        self.names = names
+        self.prior = np.asarray(prior, dtype=float)
+        self.scale = np.asarray(scale, dtype=float)
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.xtx = np.zeros((len(names), len(names)))
+        self.xty = np.zeros(len(names))
+        self.observations = 0
+
+    def observe(self, features: np.ndarray, seconds: float) -> None:
+        x = np.asarray(features, dtype=float)
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * seconds
+        self.observations += 1
+
+    def set_prior(self, prior: np.ndarray) -> None:
+        self.prior = np.asarray(prior, dtype=float)
+
+    def coefficients(self) -> np.ndarray:
+        """Non-negative coefficients (no feature makes a step faster)."""
+        ridge = self.prior_weight * np.diag(self.scale ** 2)
+        theta = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ self.prior)
+        return np.maximum(theta, 0.0)
+
+    def summary(self) -> dict:
+        """Coefficients (milliseconds, or a plain factor for a `*_scale` feature) and the observations seen."""
+        return {name: round(float(c) * (1 if name.endswith("scale") else 1e3), 4)
+                for name, c in zip(self.names, self.coefficients())} | {"observations": self.observations}
+
+
+def _logit(p):
+    p = np.clip(p, 1e-4, 1 - 1e-4)
+    return np.log(p / (1 - p))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+
+
+POLICIES = ("adaptive", "fixed", "off")
+
+
+class SpeculationPolicy:
+    """K per request for the next step, in one of three modes: "adaptive" (goodput-maximising, above),
+    "fixed" (K_max for every request that can draft) or "off" (no drafting: the engine runs as a plain
+    one, for measuring what speculation's plumbing costs).
+
+    It learns the step-time model from two online fits: the target's step as the worker times it
+    (features: 1, requests, the target forward's time for one token per request and the extra time for
+    the step's draft tokens, both from the forward's cost curve calibrated at start-up, and whether
+    anything drafted), and the draft's step as the proposer times it (1, draft forwards, rows fed).
+    The two forward features get coefficients of their own, so that what a step costs without drafts
+    (sampling, scheduling, per-request work) does not leak into what verifying one more token costs.
+    Both start from a calibration (`calibrate_target`, `calibrate_draft`) so that the first steps are
+    sensible; `force_costs` pins coefficients (tests, and an operator who wants speculation off above
+    some cost)."""
+
+    TARGET_FEATURES = ("step", "per_request", "plain_forward_scale", "verify_scale", "drafting")
+    DRAFT_FEATURES = ("overhead", "per_forward", "per_row_forward")
+
+    def __init__(self, mode: str, max_k: int, rows: int):
+        if mode not in POLICIES:
+            raise ValueError(f"k_policy must be one of {POLICIES}, not {mode!r}")
+        self.mode, self.max_k = mode, max_k
+        self.acceptance = AcceptanceTracker(max_k, rows)
+        # The target forward's seconds by tokens, piecewise linear between calibrated points; before any
+        # calibration, 1 ms per token with a free scale.
+        self.curve_tokens, self.curve_seconds = np.array([0.0, 1.0]), np.array([0.0, 1e-3])
+        self.target = OnlineLinearCost(self.TARGET_FEATURES, prior=[0.0, 0.0, 1.0, 1.0, 0.0], scale=[1, 8, 0.03, 0.03, 1])
+        self.draft = OnlineLinearCost(self.DRAFT_FEATURES, prior=[0.0, 0.001, 0.0], scale=[1, 4, 16])
+        self.forced: dict[str, float] = {}
+        self.calibration: dict[str, dict] = {}
+        self.histogram = np.zeros(max_k + 1, dtype=np.int64)  # chosen K per request-step
+
+    def calibrate_target(self, forward_seconds: dict[int, float]) -> None:
+        """Target forward times by scheduled tokens ({1: s, 32: s, ...}): the shape of the forward's cost."""
+        self.calibration["target_forward_ms"] = {n: round(t * 1e3, 3) for n, t in forward_seconds.items()}
+        tokens = np.array(sorted(forward_seconds), dtype=float)
+        seconds = np.array([forward_seconds[n] for n in sorted(forward_seconds)])
+        # Never decreasing in tokens: a point above a later one is timing noise, so it takes the later value.
+        self.curve_tokens, self.curve_seconds = tokens, np.minimum.accumulate(seconds[::-1])[::-1]
+        self.target.scale[2:4] = float(self.forward_time(np.array([32.0]))[0])
+        self.target.set_prior([0.0, 0.0, 1.0, 1.0, 0.0])
+
+    def forward_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Calibrated target forward seconds for [m] token counts, extrapolated along the last segment."""
+        t, y = self.curve_tokens, self.curve_seconds
+        slope = (y[-1] - y[-2]) / max(t[-1] - t[-2], 1e-9)
+        return np.where(tokens > t[-1], y[-1] + slope * (tokens - t[-1]), np.interp(tokens, t, y))
+
+    def calibrate_draft(self, forward_seconds: dict[int, float]) -> None:
+        """Draft forward times by rows fed ({1: s, 16: s}): the per-forward and per-row prior."""
+        self.calibration["draft_forward_ms"] = {n: round(t * 1e3, 3) for n, t in forward_seconds.items()}
+        (r0, t0), (r1, t1) = min(forward_seconds.items()), max(forward_seconds.items())
+        per_row = max(t1 - t0, 0.0) / max(r1 - r0, 1)
+        self.draft.set_prior([0.0, max(t0 - per_row * r0, 0.0), per_row])
+
+    def observe_target(self, requests: int, tokens: int, drafted: bool, seconds: float) -> None:
+        plain, forward = self.forward_time(np.array([float(requests), float(max(tokens, requests))]))
+        self.target.observe(np.array([1.0, requests, plain, forward - plain, float(drafted)]), seconds)
+
+    def observe_draft(self, forwards: int, row_forwards: int, seconds: float) -> None:
+        self.draft.observe(np.array([1.0, forwards, row_forwards]), seconds)
+
+    def force_costs(self, overrides: dict[str, float] | None) -> None:
+        """Pin StepCosts fields (seconds) whatever the fits say; None lifts the pin."""
+        known = ("base", "drafting", "per_draft_token", "per_draft_forward")
+        unknown = set(overrides or {}) - set(known)
+        if unknown:
+            raise ValueError(f"unknown step-cost fields {sorted(unknown)}; known: {list(known)}")
+        self.forced = dict(overrides or {})
+
+    def costs(self, requests: int) -> StepCosts:
+        """The step-time model for a batch of this many decoding requests (one token each unless drafted)."""
+        step, per_request, plain_scale, verify_scale, drafting = self.target.coefficients()
+        overhead, per_forward, per_row_forward = self.draft.coefficients()
+        plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
+
+        def verify_extra(d: np.ndarray) -> np.ndarray:
+            return verify_scale * (self.forward_time(requests + np.asarray(d, dtype=float)) - plain_forward)
+
+        costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead,
+                          drafting=drafting, per_draft_token=per_row_forward, per_draft_forward=per_forward,
+                          verify_extra=verify_extra)
+        return replace(costs, **self.forced)
+
+    def choose(self, candidates: np.ndarray, requests: int) -> np.ndarray:
+        """K [rows] for batch rows 0..rows-1, 0 where candidates [rows] is False (a row that cannot draft:
+        mid-prefill, or too near its length limit); requests counts the whole batch."""
+        k = np.zeros(len(candidates), dtype=np.int64)
+        eligible = np.nonzero(candidates)[0]
+        if self.mode == "fixed":
+            k[eligible] = self.max_k
+        elif self.mode == "adaptive" and len(eligible):
+            acceptance = self.acceptance.estimate(len(candidates))[eligible]
+            k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k)
+        self.histogram += np.bincount(k[eligible], minlength=self.max_k + 1)
+        return k
+
+    def summary(self) -> dict:
+        costs = self.costs(1)
+        return {
+            "k_policy": self.mode,
+            "chosen_k_histogram": self.histogram.tolist(),
+            "target_cost_ms": self.target.summary(),
+            "draft_cost_ms": self.draft.summary(),
+            "forced_costs": dict(self.forced),
+            "calibration": self.calibration,
+            "batch1_step_costs_ms": {name: round(float(getattr(costs, name)) * 1e3, 4)
+                                     for name in ("base", "drafting", "per_draft_token", "per_draft_forward")},
+            **self.acceptance.summary(),
+        }

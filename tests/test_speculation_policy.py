@@ -1,0 +1,109 @@
+"""The speculation policy as pure functions, against a synthetic step-cost model."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from plugin.speculation_policy import (
+    AcceptanceTracker,
+    OnlineLinearCost,
+    SpeculationPolicy,
+    StepCosts,
+    choose_draft_lengths,
+    expected_tokens,
+)
+
+# A CPU-like step: 10 ms plain, 1 ms more once anything drafts, 0.2 ms per draft token verified and
+# fed, 0.5 ms per batched draft forward.
+CHEAP = StepCosts(base=0.010, drafting=0.001, per_draft_token=0.0002, per_draft_forward=0.0005)
+
+
+def goodput(acceptance, costs, k) -> float:
+    return float(expected_tokens(acceptance, np.asarray(k)).sum()) / costs.step_time(np.asarray(k))
+
+
+def brute_force(acceptance, costs, max_k) -> float:
+    return max(goodput(acceptance, costs, k) for k in itertools.product(range(max_k + 1), repeat=len(acceptance)))
+
+
+def test_expensive_verification_drives_k_to_zero():
+    acceptance = np.full((4, 6), 0.8)
+    expensive = StepCosts(base=0.010, drafting=0.001, per_draft_token=0.02, per_draft_forward=0.005)
+    assert choose_draft_lengths(acceptance, expensive).tolist() == [0, 0, 0, 0]
+    assert choose_draft_lengths(acceptance, CHEAP).min() > 0
+
+
+def test_high_acceptance_raises_k():
+    lengths = [int(choose_draft_lengths(np.full((1, 8), a), CHEAP)[0]) for a in (0.3, 0.6, 0.8, 0.95)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1], lengths
+    assert lengths[-1] == 8
+
+
+def test_requests_the_draft_predicts_well_get_more_drafts():
+    acceptance = np.array([[0.9] * 6, [0.35] * 6])
+    k = choose_draft_lengths(acceptance, CHEAP)
+    assert k[0] > k[1], k
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_brute_force_on_small_cases(seed):
+    rng = np.random.default_rng(seed)
+    n, max_k = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    acceptance = rng.uniform(0.0, 1.0, (n, max_k)) ** rng.uniform(0.2, 2.0)
+    flat_then_rising = rng.uniform(0, 0.004), rng.integers(0, 4)  # a forward's time is not linear in tokens
+    costs = StepCosts(base=rng.uniform(0.001, 0.02), drafting=rng.uniform(0, 0.005),
+                      per_draft_token=rng.uniform(0, 0.004), per_draft_forward=rng.uniform(0, 0.004),
+                      verify_extra=None if seed % 2 else lambda d: flat_then_rising[0] * np.maximum(d - flat_then_rising[1], 0))
+    k = choose_draft_lengths(acceptance, costs, max_k)
+    assert goodput(acceptance, costs, k) == pytest.approx(brute_force(acceptance, costs, max_k), rel=1e-9)
+
+
+def test_acceptance_tracker_learns_per_request_and_per_position():
+    tracker = AcceptanceTracker(max_k=4, rows=2)
+    for _ in range(200):  # row 0 accepts every draft; row 1 accepts its first draft only
+        tracker.record(drafted=np.array([4, 4]), accepted=np.array([4, 1]))
+    estimate = tracker.estimate(2)
+    assert estimate[0].min() > 0.8 and estimate[1, 1] < 0.5
+    assert expected_tokens(estimate, np.array([4, 4])).tolist() == sorted(expected_tokens(estimate, np.array([4, 4])).tolist(), reverse=True)
+    assert tracker.engine_rates()[0] > tracker.engine_rates()[1]  # position 1 fails more than position 0
+
+
+def test_a_new_request_starts_from_the_engines_rate():
+    tracker = AcceptanceTracker(max_k=3, rows=2)
+    for _ in range(100):
+        tracker.record(drafted=np.array([3, 3]), accepted=np.array([3, 3]))
+    tracker.forget([1])
+    assert tracker.estimate(2)[1].min() > 0.8
+
+
+def test_online_cost_fit_recovers_a_linear_model():
+    fit = OnlineLinearCost(("a", "b"), prior=[0.0, 0.0], scale=[1, 10], prior_weight=0.1)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        x = np.array([1.0, rng.integers(1, 20)])
+        fit.observe(x, 0.005 + 0.0007 * x[1] + rng.normal(0, 1e-5))
+    assert fit.coefficients() == pytest.approx([0.005, 0.0007], rel=0.05)
+
+
+def test_policy_switches_off_under_forced_high_cost_and_back():
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=4)
+    policy.calibrate_target({1: 0.010, 32: 0.016})
+    policy.calibrate_draft({1: 0.0005, 16: 0.0008})
+    candidates = np.array([True, True, False, True])
+    assert policy.choose(candidates, 4).tolist()[2] == 0
+    assert policy.choose(candidates, 4).max() > 0
+    policy.force_costs({"per_draft_token": 1.0})
+    assert policy.choose(candidates, 4).max() == 0
+    policy.force_costs(None)
+    assert policy.choose(candidates, 4).max() > 0
+    with pytest.raises(ValueError, match="unknown step-cost"):
+        policy.force_costs({"verify": 1.0})
+
+
+def test_fixed_and_off_modes():
+    candidates = np.array([True, False])
+    assert SpeculationPolicy("fixed", 5, 2).choose(candidates, 2).tolist() == [5, 0]
+    assert SpeculationPolicy("off", 5, 2).choose(candidates, 2).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="k_policy"):
+        SpeculationPolicy("greedy", 5, 2)
