@@ -67,6 +67,11 @@ def batch_sampling_params(runner, rows: int) -> tuple[np.ndarray, np.ndarray, np
             {row: gen for row, gen in batch.generators.items() if row < rows})
 
 
+def seeded_rows(runner, rows: int) -> list[int]:
+    """Batch rows whose requests carry a seed (the persistent batch keeps their generators by row)."""
+    return [row for row in runner.input_batch.generators if row < rows]
+
+
 def hand_draft_probs(runner, draft_probs: torch.Tensor | None, req_ids: list[str]) -> None:
     """Give the runner the q each draft token was sampled from. The runner reads this slot when it
     verifies the next step (`_get_spec_decode_draft_probs`); vLLM's own drafters fill it, and a

@@ -215,7 +215,9 @@ class DraftProposer:
             emitted = np.fromiter(map(len, sampled_token_ids[:rows]), dtype=np.int64, count=rows)  # [rows]
             self._record_acceptance(emitted)
             n = num_tokens_no_spec[:rows].astype(np.int64)  # [rows] real tokens
-            k = self.policy.choose((emitted > 0) & (n + self.k <= self.max_len), batch)  # [rows]
+            seeded = np.zeros(rows, dtype=bool)
+            seeded[internals.seeded_rows(self.runner, rows)] = True
+            k = self.policy.choose((emitted > 0) & (n + self.k <= self.max_len), batch, pinned=seeded)  # [rows]
             plan = self._plan_catch_up(k, n, token_ids_cpu)
         if not plan.drafting.any():
             self.proposed[:] = 0

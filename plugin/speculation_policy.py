@@ -222,6 +222,10 @@ class SpeculationPolicy:
     some cost)."""
 
     TARGET_FEATURES = ("step", "per_request", "plain_forward_scale", "verify_scale", "drafting")
+    # Once this many steps in a row chose no drafts, the next drafts one token for every request: the
+    # estimates that stopped speculation are only re-measured by speculating (a probe costs a small
+    # share of one step in PROBE_INTERVAL). Not while costs are pinned.
+    PROBE_INTERVAL = 64
     DRAFT_FEATURES = ("overhead", "per_forward", "per_row_forward")
 
     def __init__(self, mode: str, max_k: int, rows: int):
@@ -237,6 +241,8 @@ class SpeculationPolicy:
         self.forced: dict[str, float] = {}
         self.calibration: dict[str, dict] = {}
         self.histogram = np.zeros(max_k + 1, dtype=np.int64)  # chosen K per request-step
+        self.steps_without_drafts = 0
+        self.probes = 0
 
     def calibrate_target(self, forward_seconds: dict[int, float]) -> None:
         """Target forward times by scheduled tokens ({1: s, 32: s, ...}): the shape of the forward's cost."""
@@ -262,6 +268,9 @@ class SpeculationPolicy:
         self.draft.set_prior([0.0, max(t0 - per_row * r0, 0.0), per_row])
 
     def observe_target(self, requests: int, tokens: int, drafted: bool, seconds: float) -> None:
+        """One decode step of the target: requests in the batch, tokens scheduled (one per request plus
+        the drafts), whether any drafted. Steps that prefill are left out by the caller: a prompt's
+        attention cost is not what the policy decides about."""
         plain, forward = self.forward_time(np.array([float(requests), float(max(tokens, requests))]))
         self.target.observe(np.array([1.0, requests, plain, forward - plain, float(drafted)]), seconds)
 
@@ -290,9 +299,12 @@ class SpeculationPolicy:
                           verify_extra=verify_extra)
         return replace(costs, **self.forced)
 
-    def choose(self, candidates: np.ndarray, requests: int) -> np.ndarray:
+    def choose(self, candidates: np.ndarray, requests: int, pinned: np.ndarray | None = None) -> np.ndarray:
         """K [rows] for batch rows 0..rows-1, 0 where candidates [rows] is False (a row that cannot draft:
-        mid-prefill, or too near its length limit); requests counts the whole batch."""
+        mid-prefill, or too near its length limit); requests counts the whole batch. Pinned rows [rows]
+        draft K_max whatever the mode but "off": a seeded request must reproduce its output, and which
+        random numbers it draws depends on how many drafts it gets, which the adaptive choice makes
+        depend on live timings."""
         k = np.zeros(len(candidates), dtype=np.int64)
         eligible = np.nonzero(candidates)[0]
         if self.mode == "fixed":
@@ -300,6 +312,15 @@ class SpeculationPolicy:
         elif self.mode == "adaptive" and len(eligible):
             acceptance = self.acceptance.estimate(len(candidates))[eligible]
             k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k)
+            if k.any():
+                self.steps_without_drafts = 0
+            elif self.steps_without_drafts >= self.PROBE_INTERVAL and not self.forced:
+                k[eligible], self.steps_without_drafts = 1, 0
+                self.probes += 1
+            else:
+                self.steps_without_drafts += 1
+        if pinned is not None and self.mode != "off":
+            k[candidates & pinned] = self.max_k
         self.histogram += np.bincount(k[eligible], minlength=self.max_k + 1)
         return k
 
@@ -308,6 +329,7 @@ class SpeculationPolicy:
         return {
             "k_policy": self.mode,
             "chosen_k_histogram": self.histogram.tolist(),
+            "probes": self.probes,
             "target_cost_ms": self.target.summary(),
             "draft_cost_ms": self.draft.summary(),
             "forced_costs": dict(self.forced),

@@ -55,8 +55,9 @@ class SpeculativeWorker(internals.platform_worker_class()):
             drafter.release(scheduler_output.finished_req_ids)
         if drafter and scheduler_output.total_num_scheduled_tokens:
             drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
-            self._step_started = (time.perf_counter(), len(scheduler_output.num_scheduled_tokens),
-                                  scheduler_output.total_num_scheduled_tokens, drafts > 0)
+            requests, tokens = len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
+            decode_only = tokens == requests + drafts  # a step with a prompt in it says little about decoding
+            self._step_started = (time.perf_counter(), requests, tokens, drafts > 0) if decode_only else None
             drafter.last_step_seconds = 0.0
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if output is not None:

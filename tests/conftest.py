@@ -23,9 +23,11 @@ def plain_llm():
 
 @pytest.fixture(scope="module")
 def spec_llm():
+    """The speculator as shipped (adaptive K), admitting 32 requests a step with a draft row for each:
+    at that load the policy still drafts for most of them (tests that need drafts check the share)."""
     from specserve.engines import build_llm, shutdown_llm
 
-    llm = build_llm(speculative=True, seed=0)
+    llm = build_llm(speculative=True, seed=0, max_num_seqs=32, max_draft_rows=32)
     yield llm
     shutdown_llm(llm)
 

@@ -68,6 +68,36 @@ def test_speculation_summary_on_speculative_responses(client):
     assert not (baseline.model_extra.get("metrics") or {}).get("speculative_decoding")
 
 
+@slow
+def test_speculation_counters_on_the_stats_route(serve_app, client):
+    """/v1/specserve/stats: the speculative engine's policy (adaptive, as shipped), its chosen-K
+    histogram and drafted shares; the baseline says it does not speculate."""
+    client.completions.create(model=SPEC, prompt=prompt(3), max_tokens=32, temperature=0)
+    stats = httpx.get(f"{serve_app}/v1/specserve/stats", timeout=60).json()
+    spec = stats[SPEC]
+    assert spec["enabled"] and spec["k_policy"] == "adaptive" and spec["k_max"] == DEMO_NUM_SPECULATIVE_TOKENS
+    assert len(spec["chosen_k_histogram"]) == DEMO_NUM_SPECULATIVE_TOKENS + 1 and sum(spec["chosen_k_histogram"]) > 0
+    assert 0 < spec["steps_drafted"] <= spec["steps"]
+    assert spec["models"]["draft"].endswith("draft")
+    assert stats[BASELINE] == {"enabled": False}
+
+
+def test_prometheus_counters_only_go_up_by_what_the_engine_gained():
+    from deployment.servers import _inc
+
+    class FakeCounter:
+        info = {"name": "specserve_steps"}
+        calls = []
+
+        def inc(self, value, tags):
+            self.calls.append((value, tags))
+
+    counter, seen = FakeCounter(), {}
+    for total in (5, 5, 12):
+        _inc(counter, seen, ("drafted", "true"), total, "m")
+    assert counter.calls == [(5, {"model": "m", "drafted": "true"}), (7, {"model": "m", "drafted": "true"})]
+
+
 BAD_INPUTS = [
     ("malformed JSON", "/v1/completions", b'{"model": "specserve-speculative", "prompt": '),
     ("unknown model", "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 4}),
@@ -171,6 +201,7 @@ def test_embedded_default_comes_from_one_place():
     assert (spec.model_id, base.model_id) == (SPEC, BASELINE)
     assert base.engine_kwargs.items() >= DEMO_ENGINE_KWARGS.items()
     assert spec.engine_kwargs["speculative_config"]["num_speculative_tokens"] == DEMO_NUM_SPECULATIVE_TOKENS
+    assert spec.engine_kwargs["additional_config"]["specserve"]["k_policy"] == "adaptive"  # on by default
     with pytest.raises(ValueError, match="draft_modle"):  # a typo in the YAML is refused, not ignored
         SpecServeArgs.model_validate({"draft_modle": "x"})
 
@@ -183,3 +214,21 @@ def test_equal_model_ids_are_refused():
 
     with pytest.raises(ValidationError, match="baseline_model_id must differ from speculative_model_id"):
         SpecServeArgs(speculative_model_id="qwen", baseline_model_id="qwen")
+
+
+def test_k_sweep_profile_serves_fixed_k_variants_beside_the_adaptive_model():
+    from pydantic import ValidationError
+
+    from deployment.app import SpecServeArgs, llm_configs
+
+    configs = {c.model_id: c.engine_kwargs for c in llm_configs(app_args("configs/k-sweep.yaml"))}
+    assert list(configs) == [SPEC, BASELINE, "specserve-k2", "specserve-k4", "specserve-k6"]
+    assert configs[SPEC]["additional_config"]["specserve"]["k_policy"] == "adaptive"
+    for k in (2, 4, 6):
+        variant = configs[f"specserve-k{k}"]
+        assert variant["speculative_config"]["num_speculative_tokens"] == k
+        assert variant["additional_config"]["specserve"]["k_policy"] == "fixed"
+    with pytest.raises(ValidationError, match="k_policy"):
+        SpecServeArgs(speculative_variants={"x": {"k_policy": "sometimes"}})
+    with pytest.raises(ValidationError, match="reuse the model ids"):
+        SpecServeArgs(speculative_variants={BASELINE: {}})

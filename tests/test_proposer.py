@@ -65,7 +65,7 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     assert proposer.decode is None  # compile_draft="auto" stays eager on CPU
     chosen = np.full(4, K)
     if lengths == "varying":  # the policy's choice, replaced by a random one per row and step
-        proposer.policy.choose = lambda candidates, requests: np.where(candidates, chosen[: len(candidates)], 0)
+        proposer.policy.choose = lambda candidates, requests, pinned=None: np.where(candidates, chosen[: len(candidates)], 0)
     batch = Batch()
     proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
     sequences: dict[str, list[int]] = {}

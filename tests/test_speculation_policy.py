@@ -101,6 +101,28 @@ def test_policy_switches_off_under_forced_high_cost_and_back():
         policy.force_costs({"verify": 1.0})
 
 
+def test_a_policy_that_stopped_drafting_probes_again():
+    """Pessimistic estimates stop speculation; every PROBE_INTERVAL steps without drafts, one step
+    drafts a token per request so that acceptance and costs are measured again (not while pinned)."""
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=2)
+    policy.calibrate_target({1: 0.010, 32: 0.016})
+    policy.calibrate_draft({1: 0.0005, 16: 0.0008})
+    for _ in range(300):
+        policy.acceptance.record(np.array([4, 4]), np.array([0, 0]))  # the draft never right
+    candidates = np.array([True, True])
+    chosen = [policy.choose(candidates, 2).tolist() for _ in range(2 * policy.PROBE_INTERVAL + 2)]
+    assert chosen.count([1, 1]) == 2 and chosen.count([0, 0]) == len(chosen) - 2
+    policy.force_costs({"drafting": 1.0})
+    assert all(policy.choose(candidates, 2).max() == 0 for _ in range(2 * policy.PROBE_INTERVAL))
+
+
+def test_seeded_requests_draft_k_max_so_that_their_seed_reproduces_them():
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=3)
+    policy.force_costs({"per_draft_token": 1.0})
+    k = policy.choose(np.array([True, True, False]), 3, pinned=np.array([False, True, True]))
+    assert k.tolist() == [0, 4, 0]
+
+
 def test_fixed_and_off_modes():
     candidates = np.array([True, False])
     assert SpeculationPolicy("fixed", 5, 2).choose(candidates, 2).tolist() == [5, 0]
