@@ -208,6 +208,8 @@ class DraftProposer:
         """The step, in order: follow vLLM's batch rows, count what the target accepted, choose each
         row's draft length, plan its catch-up, run the draft, record what its cache now holds."""
         batch = len(sampled_token_ids)
+        if self.policy.mode == "off":  # nothing will draft: no bookkeeping either
+            return [[] for _ in range(batch)], None
         with self.profile.phase("follow_rows"):
             self._follow_batch_rows(req_ids)
         with self.profile.phase("plan"):
@@ -218,10 +220,10 @@ class DraftProposer:
             seeded = np.zeros(rows, dtype=bool)
             seeded[internals.seeded_rows(self.runner, rows)] = True
             k = self.policy.choose((emitted > 0) & (n + self.k <= self.max_len), batch, pinned=seeded)  # [rows]
+            if not k.any():
+                self.proposed[:] = 0
+                return [[] for _ in range(batch)], None
             plan = self._plan_catch_up(k, n, token_ids_cpu)
-        if not plan.drafting.any():
-            self.proposed[:] = 0
-            return [[] for _ in range(batch)], None
         drafts, q = self._draft(plan, req_ids)
         with self.profile.phase("commit"):
             return self._commit(plan, drafts, batch), q

@@ -70,19 +70,19 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     if n == 0 or max_k == 0:
         return best_k
     gains = np.cumprod(np.clip(acceptance[:, :max_k], 0.0, 1.0), axis=1)  # [n, max_k]
-    position = np.broadcast_to(np.arange(max_k), gains.shape)
-    order = np.lexsort((position.ravel(), -gains.ravel()))  # largest gain first; earlier position on ties
-    rows_sorted, pos_sorted, gain_sorted = order // max_k, position.ravel()[order], gains.ravel()[order]
-    for longest in range(1, max_k + 1):
-        within = pos_sorted < longest
-        tokens = n + np.cumsum(gain_sorted[within])  # [d] expected tokens with the d best drafts
-        d = np.arange(1, len(tokens) + 1)
-        time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
-        rate = tokens / np.maximum(time, 1e-12)
-        pick = int(rate.argmax())
-        if rate[pick] > best_rate * (1 + 1e-9):
-            best_rate = float(rate[pick])
-            best_k = np.bincount(rows_sorted[within][: pick + 1], minlength=n).astype(np.int64)
+    position = np.broadcast_to(np.arange(max_k), gains.shape).ravel()
+    order = np.lexsort((position, -gains.ravel()))  # largest gain first; earlier position on ties
+    rows_sorted, pos_sorted, gain_sorted = order // max_k, position[order], gains.ravel()[order]  # [n * max_k]
+    longest = np.arange(1, max_k + 1)[:, None]  # [max_k, 1] candidate M
+    within = pos_sorted[None, :] < longest  # [max_k, n * max_k] the gains a draft of at most M may take
+    d = np.cumsum(within, axis=1)  # [max_k, n * max_k] draft tokens when taking up to this gain
+    tokens = n + np.cumsum(np.where(within, gain_sorted[None, :], 0.0), axis=1)
+    time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
+    rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
+    m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
+    if rate[m, pick] > best_rate * (1 + 1e-9):
+        taken = within[m, : pick + 1]
+        best_k = np.bincount(rows_sorted[: pick + 1][taken], minlength=n).astype(np.int64)
     return best_k
 
 
@@ -160,6 +160,8 @@ class OnlineLinearCost:
     exponentially decaying sums (forgetting `decay` per observation), regularised towards a prior
     (start-up calibration) with the weight of `prior_weight` observations at the features' `scale`."""
 
+    RESOLVE_EVERY = 8
+
     def __init__(self, names: tuple[str, ...], prior: np.ndarray, scale: np.ndarray,
                  decay: float = 0.99, prior_weight: float = 3.0):
         self.names = names
@@ -170,6 +172,7 @@ class OnlineLinearCost:
         self.xtx = np.zeros((len(names), len(names)))
         self.xty = np.zeros(len(names))
         self.observations = 0
+        self._solved: tuple[int, np.ndarray] | None = None  # (observations, coefficients) last solved
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
         x = np.asarray(features, dtype=float)
@@ -179,12 +182,16 @@ class OnlineLinearCost:
 
     def set_prior(self, prior: np.ndarray) -> None:
         self.prior = np.asarray(prior, dtype=float)
+        self._solved = None
 
     def coefficients(self) -> np.ndarray:
-        """Non-negative coefficients (no feature makes a step faster)."""
-        ridge = self.prior_weight * np.diag(self.scale ** 2)
-        theta = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ self.prior)
-        return np.maximum(theta, 0.0)
+        """Non-negative coefficients (no feature makes a step faster), solved again every RESOLVE_EVERY
+        observations: costs drift slowly, and the step should not pay for a solve it does not need."""
+        if self._solved is None or self.observations - self._solved[0] >= self.RESOLVE_EVERY:
+            ridge = self.prior_weight * np.diag(self.scale ** 2)
+            theta = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ self.prior)
+            self._solved = (self.observations, np.maximum(theta, 0.0))
+        return self._solved[1]
 
     def summary(self) -> dict:
         """Coefficients (milliseconds, or a plain factor for a `*_scale` feature) and the observations seen."""
