@@ -8,11 +8,12 @@ Vocabulary:
 - gain g[i, j] = a[i, 0] * ... * a[i, j]: the tokens the (j + 1)-th draft adds to the step's expected
   output. With K drafts request i emits E_i(K) = 1 + g[i, 0] + ... + g[i, K - 1] tokens; the gains never
   grow with j, so the best set of drafts for a row is always a prefix.
-- step time, for draft lengths K_i over n requests (a linear model whose coefficients `StepCosts` holds):
-      base + drafting * [any K_i > 0] + per_draft_token * sum(K_i) + per_draft_forward * max(K_i)
-  where per_draft_token counts the target verifying one more token and the draft feeding one more row
-  in one forward, and per_draft_forward is one more batched draft forward (the draft runs max(K_i) of
-  them; rows drop out as their K_i runs out).
+- step time, for draft lengths K_i over n requests, d = sum(K_i) (the model `StepCosts` holds):
+      base + drafting * [d > 0] + verify_extra(d) + per_draft_token * d + per_draft_forward * max(K_i)
+  where verify_extra(d) is the target's extra time for d more tokens in its forward (not linear: flat
+  while the hardware is bound by weight traffic, then rising), per_draft_token the draft feeding one
+  more row in one forward, and per_draft_forward one more batched draft forward (the draft runs
+  max(K_i) of them; rows drop out as their K_i runs out).
 - goodput: sum(E_i(K_i)) / step time, in tokens per second. `choose_draft_lengths` maximises it.
 
 Losslessness does not depend on any of this: K is chosen from past acceptance and measured costs only,
