@@ -48,7 +48,7 @@ def speculation_stats(url: str, model: str) -> dict | None:
 def models_label(url: str, model: str) -> str:
     """'target <name> / draft <name>' from the speculative engine's settings, for the charts' title."""
     stats = speculation_stats(url, model) or {}
-    names = {k: Path(v).name for k, v in (stats.get("models") or {}).items()}
+    names = {k: "/".join(Path(v).parts[-2:]) for k, v in (stats.get("models") or {}).items()}
     return f"target {names.get('target', '?')} / draft {names.get('draft', '?')}" if names else model
 
 
