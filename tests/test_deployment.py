@@ -82,6 +82,29 @@ def test_speculation_counters_on_the_stats_route(serve_app, client):
     assert stats[BASELINE] == {"enabled": False}
 
 
+@slow
+def test_policy_counters_reach_rays_prometheus_export(serve_app, client):
+    """The replica publishes the policy's counters through Ray's metrics export (polled every 10 s),
+    as ray_specserve_chosen_k_total{k, model} and ray_specserve_steps_total{drafted, model}."""
+    import glob
+    from pathlib import Path
+
+    client.completions.create(model=SPEC, prompt=prompt(4), max_tokens=32, temperature=0)
+    ports = [Path(f).read_text().strip() for f in glob.glob("/tmp/ray/session_*/metrics_export_port_*")]
+    deadline, found = time.monotonic() + 90, ""
+    while time.monotonic() < deadline and not found:
+        for port in ports:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                continue
+            if f'model="{SPEC}"' in text and "ray_specserve_chosen_k_total" in text:
+                found = text
+        time.sleep(5)
+    assert found, "no ray_specserve_* counters on any Ray metrics export port"
+    assert "ray_specserve_steps_total" in found and 'drafted="true"' in found
+
+
 def test_prometheus_counters_only_go_up_by_what_the_engine_gained():
     from deployment.servers import _inc
 
