@@ -5,9 +5,9 @@ accepted, asks the speculation policy (`plugin.speculation_policy`) how many tok
 drafts next (0 to K_max: from the request's acceptance and the measured step costs), catches the draft's
 KV cache up with the tokens of the requests that draft (usually just the recovered or bonus token; the
 whole prefix for a new or preempted request, or one that paused drafting, in a forward of its own so
-that other rows are not padded to it) and then drafts, one batched forward per draft position, each
-forward feeding only the rows whose K_i reaches it. A step in which no request drafts runs no draft
-forward at all. Each draft token is sampled from the request's processed draft
+that other rows are not padded to it) and then drafts, one batched forward per draft position, up to
+the last row whose K_i reaches it (rows before it that have stopped feed scratch, so that the batch
+reads the cache as a view). A step in which no request drafts runs no draft forward at all. Each draft token is sampled from the request's processed draft
 distribution q (temperature, top-k, top-p; argmax when greedy), and q is handed to the model runner's
 draft-probability slot, so the target verifies with the full min(1, p/q) test.
 

@@ -5,9 +5,10 @@ target (and our `DraftProposer` its draft), it replaces the runner's rejection s
 `ExactRejectionSampler` and gives the proposer the runner, whose batch rows, sampling parameters and
 draft-probability slot it uses. Finished requests' draft state is freed as the scheduler reports them.
 
-It also times every step for the speculation policy: the target's share (the step, from execute_model
-to the end of sample_tokens, less the proposer's own time) against the requests, tokens and drafts the
-scheduler gave it; and once at start-up, after vLLM's warm-up, the target's forward at two sizes.
+For the adaptive speculation policy it also times every decode step: the target's share (the step,
+from execute_model to the end of sample_tokens, less the proposer's own time) against the requests,
+tokens and drafts the scheduler gave it; and once at start-up, after vLLM's warm-up, the target's
+forward at a range of token counts. Fixed-K and "off" engines need no costs and skip both.
 """
 
 import logging
@@ -39,7 +40,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
 
     def compile_or_warm_up_model(self, *args, **kwargs):
         result = super().compile_or_warm_up_model(*args, **kwargs)
-        if drafter := self._draft_proposer():
+        if (drafter := self._draft_proposer()) and drafter.policy.mode == "adaptive":
             try:
                 seconds = {n: internals.time_target_forward(self.model_runner, n) for n in CALIBRATION_TOKENS}
                 drafter.policy.calibrate_target(seconds)
@@ -53,7 +54,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
         drafter = self._draft_proposer()
         if drafter and scheduler_output.finished_req_ids:
             drafter.release(scheduler_output.finished_req_ids)
-        if drafter and scheduler_output.total_num_scheduled_tokens:
+        if drafter and drafter.policy.mode == "adaptive" and scheduler_output.total_num_scheduled_tokens:
             drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
             requests, tokens = len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
             decode_only = tokens == requests + drafts  # a step with a prompt in it says little about decoding
