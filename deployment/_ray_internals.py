@@ -26,11 +26,18 @@ from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPExc
 from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata  # noqa: E402
 # The ingress's standard routes, to which make_fastapi_ingress's endpoint_map adds /health and ours.
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS  # noqa: E402
+# The ingress's FastAPI app with Ray LLM's error, CORS, metrics and request-id middleware, as
+# make_fastapi_ingress builds it when given none: built here so the API-key check can go in front.
+from ray.llm._internal.serve.core.ingress.ingress import init as new_ingress_app  # noqa: E402
 # The ingress's default deployment options, merged with ours as build_openai_app merges them.
 from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults  # noqa: E402
 
-__all__ = ["DEFAULT_ENDPOINTS", "IngressInternals", "OpenAIHTTPException", "engine_client",
-           "maybe_apply_llm_deployment_config_defaults", "to_model_metadata"]
+# What a request to a replica whose vLLM engine died raises (wrapped by Ray in a RayTaskError that is
+# also an instance of it): vLLM's engine module is the only place it is defined.
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+
+__all__ = ["EngineDeadError", "DEFAULT_ENDPOINTS", "IngressInternals", "OpenAIHTTPException", "engine_client",
+           "maybe_apply_llm_deployment_config_defaults", "new_ingress_app", "to_model_metadata"]
 
 
 class IngressInternals(OpenAiIngress):

@@ -49,6 +49,11 @@ class SpecServeArgs(BaseModel):
     placement_bundles: Optional[list[dict[str, float]]] = Field(
         None, description="resources of each replica's engine; default 1 CPU (cpu) or 1 GPU (gpu)")
     ingress_deployment_config: dict[str, Any] = Field(default_factory=dict)
+    api_key_file: Optional[str] = Field(
+        None, description="a file on the node that builds the application holding the API key; "
+                          "SPECSERVE_API_KEY in that node's environment takes precedence")
+    require_api_key: bool = Field(False, description="refuse to start without an API key (profiles that "
+                                                     "listen beyond loopback)")
 
     @field_validator("target_model", "draft_model")
     @classmethod
@@ -103,26 +108,46 @@ def llm_configs(args: SpecServeArgs) -> list:
                       engine_kwargs=kwargs, **common) for model_id, kwargs in models.items()]
 
 
+def api_key_sha256(args: SpecServeArgs) -> Optional[str]:
+    """The digest the ingress checks keys against (None: no key, /v1 open); refuses a profile that
+    requires a key and has none."""
+    from deployment.admission import API_KEY_ENV, key_digest, read_api_key
+
+    digest = key_digest(read_api_key(args.api_key_file))
+    if digest is None and args.require_api_key:
+        raise ValueError(f"this profile requires an API key (require_api_key: true): set {API_KEY_ENV} in the "
+                         f"environment of the process that builds the application, or api_key_file in its args")
+    return digest
+
+
 def build_app(args: SpecServeArgs):
     """Both models behind one OpenAI ingress: /v1/completions, /v1/chat/completions, /v1/models,
-    /health, /v1/specserve/unfinished_requests (per model, for drain checks) and /v1/specserve/stats
-    (per model: the speculator's chosen-K histogram, drafted shares and step-cost model)."""
+    /health (open without a key), /v1/specserve/unfinished_requests (per model, for drain checks),
+    /v1/specserve/replicas (per model, by state) and /v1/specserve/stats (per model: the speculator's
+    chosen-K histogram, drafted shares and step-cost model, the replica's memory)."""
     from ray import serve
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import make_fastapi_ingress
 
-    from deployment._ray_internals import DEFAULT_ENDPOINTS, maybe_apply_llm_deployment_config_defaults, to_model_metadata
+    from deployment._ray_internals import (DEFAULT_ENDPOINTS, maybe_apply_llm_deployment_config_defaults,
+                                           new_ingress_app, to_model_metadata)
+    from deployment.admission import check_api_key
     from deployment.servers import SpecServeIngress
 
     configs = llm_configs(args)
+    digest = api_key_sha256(args)
     endpoints = {k: v for k, v in DEFAULT_ENDPOINTS.items() if k in ("models", "model_data", "completions", "chat")}
     endpoints["health"] = lambda app: app.get("/health")
     endpoints["unfinished_requests"] = lambda app: app.get("/v1/specserve/unfinished_requests")
+    endpoints["replicas"] = lambda app: app.get("/v1/specserve/replicas")
     endpoints["speculation_stats"] = lambda app: app.get("/v1/specserve/stats")
-    ingress = make_fastapi_ingress(SpecServeIngress, endpoint_map=endpoints)
+    app = new_ingress_app()
+    app.middleware("http")(check_api_key)  # added last, so it runs first
+    ingress = make_fastapi_ingress(SpecServeIngress, endpoint_map=endpoints, app=app)
     options = maybe_apply_llm_deployment_config_defaults(
         SpecServeIngress.get_deployment_options(configs), args.ingress_deployment_config)
     return serve.deployment(ingress, **options).bind(
         llm_deployments={c.model_id: build_llm_deployment(c) for c in configs},
         model_cards={c.model_id: to_model_metadata(c.model_id, c) for c in configs},
+        api_key_sha256=digest,
     )

@@ -1,19 +1,48 @@
 """Ray Serve LLM's OpenAI ingress and LLM server, with what serving engineers expect on top:
-OpenAI-style errors for unknown models, a `/health` route that asks every model's replicas, a count of
-the engine's unfinished requests (for drain checks and tests), and the speculator's counters (the
-chosen-K histogram, the share of steps and requests that drafted, the step-cost model) as JSON on
-`/v1/specserve/stats` and as Prometheus metrics through Ray's metrics export."""
+the API key on `/v1` and OpenAI-shaped back-pressure (`deployment.admission`), OpenAI-style errors for
+unknown models, a `/health` route that asks every model's replicas, each model's replica counts, a count
+of the engine's unfinished requests (for drain checks and tests), and the speculator's counters (the
+chosen-K histogram, the share of steps and requests that drafted, the step-cost model) with the
+replica's memory as JSON on `/v1/specserve/stats` and as Prometheus metrics through Ray's metrics export."""
 
 import asyncio
 import logging
+import os
+from typing import Optional
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
+from fastapi.responses import Response
+from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.llm import LLMServer
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-from deployment._ray_internals import IngressInternals, OpenAIHTTPException, engine_client
+from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIHTTPException, engine_client
+from deployment.admission import api_key_check, engine_restarting, overloaded
 
 
 class SpecServeIngress(IngressInternals):
+    def __init__(self, *args, api_key_sha256: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        api_key_check.require(api_key_sha256)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self.admitted(super().completions(body, request), body.model)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self.admitted(super().chat(body, request), body.model)
+
+    async def admitted(self, response, model: str) -> Response:
+        """The response, or the OpenAI-style reply a client can act on when the model cannot take the
+        request: 429 when its queue is full, 503 while its engine is being replaced (both with
+        Retry-After) instead of a bare 500."""
+        try:
+            return await response
+        except BackPressureError as exc:
+            return overloaded(model, exc.status_code, exc.retry_after_s)
+        except EngineDeadError:  # Ray raises RayTaskError(EngineDeadError), an instance of both
+            return engine_restarting(model)
+
     def unknown_model(self, exc: HTTPException) -> Exception:
         return OpenAIHTTPException(
             status_code=exc.status_code,
@@ -35,6 +64,15 @@ class SpecServeIngress(IngressInternals):
         return {model_id: await handle.speculation_stats.remote()
                 for model_id, handle in self.model_handles().items()}
 
+    async def replicas(self) -> dict:
+        """Each model's replicas by state (RUNNING, STARTING, STOPPING, ...), from Serve's status."""
+        status = serve.status()
+        counts = {}
+        for model_id, handle in self.model_handles().items():
+            deployment = status.applications[handle.app_name].deployments[handle.deployment_name]
+            counts[model_id] = {str(getattr(state, "value", state)): n for state, n in deployment.replica_states.items()}
+        return counts
+
     async def unfinished_requests(self) -> dict:
         """Unfinished requests in each model's engine (one replica each asked): drain checks, tests."""
         return {model_id: await handle.num_unfinished_requests.remote()
@@ -47,15 +85,30 @@ class SpecServeLLMServer(LLMServer):
         return engine_client(self).output_processor.get_num_unfinished_requests()
 
     async def speculation_stats(self) -> dict:
-        """The speculator's counters from this replica's engine (`SpeculativeWorker.specserve_stats`)."""
+        """The speculator's counters from this replica's engine (`SpeculativeWorker.specserve_stats`),
+        and the resident memory of the replica with its engine processes."""
         config = await self.llm_config()
-        if not (config and config.engine_kwargs.get("speculative_config")):
-            return {"enabled": False}
-        return (await self.collective_rpc("specserve_stats"))[0]
+        stats = {"enabled": False}
+        if config and config.engine_kwargs.get("speculative_config"):
+            stats = (await self.collective_rpc("specserve_stats"))[0]
+        return stats | {"replica_memory_bytes": replica_memory_bytes()}
 
     async def start(self):
         await super().start()
         self._metrics_task = asyncio.get_running_loop().create_task(publish_speculation_metrics(self))
+
+
+def replica_memory_bytes() -> int:
+    """Resident memory of this process and every process under it (the vLLM engine core)."""
+    import psutil
+
+    total = 0
+    for process in (psutil.Process(os.getpid()), *psutil.Process(os.getpid()).children(recursive=True)):
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:  # a child that ended meanwhile
+            pass
+    return total
 
 
 PUBLISH_INTERVAL_S = 10.0

@@ -3,6 +3,7 @@ held-out prompts they send. Talks HTTP only. Helper modules start with `_`, so L
 as locustfiles."""
 
 import json
+import os
 from pathlib import Path
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.jsonl"
@@ -13,3 +14,10 @@ def load_prompts(path: Path | None = None, category: str | None = None) -> list[
     with open(path or PROMPTS_FILE) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r for r in rows if category is None or r["category"] == category]
+
+
+def auth_headers() -> dict:
+    """`Authorization: Bearer $SPECSERVE_API_KEY` when the variable is set (an application started with an
+    API key), else nothing."""
+    key = os.environ.get("SPECSERVE_API_KEY", "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}

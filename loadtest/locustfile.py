@@ -6,7 +6,8 @@
     locust -f loadtest/ ... --speculative-model M1 --baseline-model M2 --max-tokens 64 --temperature 0.7
 
 The options (`loadtest/_options.py`): --max-tokens, --temperature, --ignore-eos, --speculative-model,
---baseline-model.
+--baseline-model. SPECSERVE_API_KEY in the environment is sent as the bearer key (an application
+started with one answers 401 without it).
 
 Each request streams a completion of a held-out prompt and reports, per target, custom entries that
 Locust's percentiles and CSV files carry: `ttft` (time to first token), `tpot` (time per output token
@@ -20,7 +21,7 @@ import time
 
 from locust import HttpUser, constant, events, tag, task
 
-from loadtest import _options
+from loadtest import _options, auth_headers
 from loadtest._stream import Sample, SampleWriter, random_prompt, read_stream
 
 events.init_command_line_parser.add_listener(_options.add_to)
@@ -49,6 +50,7 @@ class _CompletionUser(HttpUser):
         self.rng = random.Random()
         # `specserve loadtest` labels its comparison runs (another model id through the same class).
         self.target = os.environ.get("SPECSERVE_TARGET_LABEL") or self.target
+        self.client.headers.update(auth_headers())
 
     def complete(self):
         opts = self.environment.parsed_options

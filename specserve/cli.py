@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=_run("specserve.loadtest_runner"))
 
+    p = sub.add_parser("soak", help="mixed traffic for a chosen time: failures, latency over time, replica memory; "
+                       "optionally an engine killed mid-run and the recovery timeline")
+    from specserve.soak import add_arguments as soak_arguments
+
+    soak_arguments(p)
+    p.set_defaults(func=_run("specserve.soak"))
+
+    p = sub.add_parser("burst", help="N simultaneous streams at once: how the application pushes back")
+    from specserve.burst import add_arguments as burst_arguments
+
+    burst_arguments(p)
+    p.set_defaults(func=_run("specserve.burst"))
+
     p = sub.add_parser("verify", help="prove a target/draft pair lossless on this machine and size it")
     from specserve.verify import add_arguments as verify_arguments
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from deployment.defaults import REPO_ROOT
-from loadtest import _options
+from loadtest import _options, auth_headers
 from loadtest._report import BASELINE, BASELINE_REPEAT, capacity, engine_counters, speedups, summarize, write_outputs
 from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready
 
@@ -39,7 +39,7 @@ def plan_targets(args) -> list[tuple[str, str, str]]:
 def speculation_stats(url: str, model: str) -> dict | None:
     """The model's engine counters from /v1/specserve/stats, or None when it does not speculate."""
     try:
-        stats = httpx.get(f"{url}/v1/specserve/stats", timeout=30).raise_for_status().json().get(model)
+        stats = httpx.get(f"{url}/v1/specserve/stats", headers=auth_headers(), timeout=30).raise_for_status().json().get(model)
     except httpx.HTTPError:
         return None
     return stats if stats and stats.get("enabled") else None
@@ -56,25 +56,16 @@ def log(msg: str) -> None:
     print(f"[loadtest {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def replica_memory_bytes() -> int:
-    """Resident memory of the LLM server replicas and their engine processes."""
-    import psutil
-
-    total = 0
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info.get("cmdline") or [])
-        if "LLMServer" in cmd:
-            try:
-                family = [proc, *proc.children(recursive=True)]
-                total += sum(p.memory_info().rss for p in family)
-            except psutil.Error:
-                pass
-    return total
+def replica_memory_bytes(url: str) -> int:
+    """Resident memory of the models' replicas with their engine processes (one replica of each model
+    asked, from /v1/specserve/stats): works against a remote application too."""
+    stats = httpx.get(f"{url}/v1/specserve/stats", headers=auth_headers(), timeout=30).raise_for_status().json()
+    return sum(model.get("replica_memory_bytes", 0) for model in stats.values())
 
 
 def warm_up(url: str, model: str) -> None:
     body = {"model": model, "prompt": "import os\n", "max_tokens": 16, "temperature": 0}
-    httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+    httpx.post(f"{url}/v1/completions", json=body, headers=auth_headers(), timeout=120).raise_for_status()
 
 
 def locust_command(out: Path, url: str, target: str, concurrency: int, duration: int, args,
@@ -117,14 +108,14 @@ def main(args) -> int:
     try:
         for label, user_class, model in plan_targets(args):
             warm_up(args.host, model)
-            memory[label] = {"after_warm_up_bytes": replica_memory_bytes()}
+            memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host)}
             for c in levels:
                 log(f"{label} ({model}): concurrency {c} for {args.duration} s")
                 before = speculation_stats(args.host, model)
                 run_level(out, args.host, label, c, args.duration, args, user_class, model)
                 if before is not None:
                     engine.setdefault(label, {})[c] = engine_counters(before, speculation_stats(args.host, model))
-            memory[label]["at_end_bytes"] = replica_memory_bytes()
+            memory[label]["at_end_bytes"] = replica_memory_bytes(args.host)
         spec_stats = speculation_stats(args.host, args.speculative_model) or {}
         title_models = models_label(args.host, args.speculative_model)
     finally:

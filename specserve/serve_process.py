@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from deployment.admission import PROXY_CALLBACK_ENV
 from deployment.defaults import REPO_ROOT
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -16,13 +17,15 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 def is_ready(url: str = DEFAULT_URL) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200  # open without the API key
     except httpx.HTTPError:
         return False
 
 
 class ServeProcess:
-    def __init__(self, config: str = "serve_config.yaml", log_path: Path | None = None, url: str = DEFAULT_URL):
+    def __init__(self, config: str = "serve_config.yaml", log_path: Path | None = None, url: str = DEFAULT_URL,
+                 env: dict | None = None):
+        """env: more environment variables for serve run (and so for its Ray cluster), e.g. the API key."""
         self.url = url
         self.stopped = False
         self.log_path = Path(log_path or REPO_ROOT / "out" / "serve.log")
@@ -31,7 +34,8 @@ class ServeProcess:
         self.serve = bin_dir / "serve"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([str(self.serve), "run", config], cwd=REPO_ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=os.environ | PROXY_CALLBACK_ENV | (env or {}))
 
     def wait_ready(self, timeout_s: float = 400) -> float:
         start = time.monotonic()

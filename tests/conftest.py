@@ -46,7 +46,7 @@ def serve_app():
         server.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared_app_stopped():
     """Stop the session's shared application, if one runs, so that a test can use Ray's and Serve's
     ports itself (such tests are marked `exclusive` and run after every other)."""

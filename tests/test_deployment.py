@@ -1,5 +1,7 @@
 """The Ray Serve application of serve_config.yaml, started with `serve run`, on loopback."""
 
+import hashlib
+import json
 import time
 
 import httpx
@@ -168,6 +170,45 @@ def test_disconnect_mid_stream_aborts_the_request(serve_app):
     pytest.fail(f"the engine still holds the request after the client left: {counts}")
 
 
+@slow
+def test_client_timeout_aborts_a_non_streaming_request(serve_app):
+    body = {"model": SPEC, "prompt": prompt(4), "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{serve_app}/v1/completions", json=body, timeout=3)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        counts = httpx.get(f"{serve_app}/v1/specserve/unfinished_requests").json()
+        if counts[SPEC] == 0:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the engine still holds the request after the client gave up: {counts}")
+
+
+@slow
+def test_a_burst_beyond_capacity_is_pushed_back_with_openai_429s(serve_app):
+    """400 simultaneous streams against serve_config.yaml's bounds (64 per model, 128 at the ingress):
+    the excess gets 429 with Retry-After and an OpenAI-style error (from the ingress or from Serve's
+    proxy, whichever bound it met), every accepted stream completes, and the server stays up."""
+    import asyncio
+
+    from specserve.burst import burst, summary
+
+    body = {"model": SPEC, "prompt": prompt(5), "max_tokens": 16, "ignore_eos": True, "stream": True}
+    replies = asyncio.run(burst(serve_app, 400, body))
+    print(summary(replies))
+    accepted = [r["text"] for r in replies if r["status"] == 200]
+    rejected = [(r["headers"], r["text"]) for r in replies if r["status"] == 429]
+    assert len(accepted) + len(rejected) == len(replies), summary(replies)
+    assert 0 < len(accepted) < 200 and rejected
+    assert all(text.rstrip().endswith("data: [DONE]") for text in accepted)
+    for headers, text in rejected:
+        assert int(headers["retry-after"]) >= 1 and headers["content-type"].startswith("application/json")
+        assert json.loads(text)["error"]["message"]
+    ok = httpx.post(f"{serve_app}/v1/completions", json={"model": SPEC, "prompt": "import", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+    assert httpx.get(f"{serve_app}/v1/specserve/unfinished_requests", timeout=60).json() == {SPEC: 0, BASELINE: 0}
+
+
 @pytest.fixture
 def local_ray():
     """Ray Serve LLM's build_llm_deployment starts a local Ray instance in this process when none runs:
@@ -180,10 +221,12 @@ def local_ray():
     ray.shutdown()
 
 
-def test_gpu_profile_builds_without_a_gpu(local_ray):
+def test_gpu_profile_builds_without_a_gpu(local_ray, monkeypatch):
     from ray.serve import Application
 
     from deployment.app import build_app, llm_configs
+
+    monkeypatch.setenv("SPECSERVE_API_KEY", "sk-gpu-profile-test")
 
     args = app_args("configs/gpu.yaml")
     configs = llm_configs(args)
@@ -196,11 +239,13 @@ def test_gpu_profile_builds_without_a_gpu(local_ray):
     assert isinstance(build_app(args), Application)
 
 
-def test_gpt2_profile_builds_without_a_gpu(local_ray):
+def test_gpt2_profile_builds_without_a_gpu(local_ray, monkeypatch):
     """The seeds' pair (GPT-2 drafting for GPT-2-medium, K = 5) as a GPU profile."""
     from ray.serve import Application
 
     from deployment.app import build_app, llm_configs
+
+    monkeypatch.setenv("SPECSERVE_API_KEY", "sk-gpu-profile-test")
 
     args = app_args("configs/gpt2.yaml")
     spec, base = llm_configs(args)
@@ -209,6 +254,30 @@ def test_gpt2_profile_builds_without_a_gpu(local_ray):
     assert spec.engine_kwargs["additional_config"]["specserve"]["draft_model"] == "openai-community/gpt2"
     assert "speculative_config" not in base.engine_kwargs
     assert isinstance(build_app(args), Application)
+
+
+@pytest.mark.parametrize("profile", ["configs/gpu.yaml", "configs/gpt2.yaml"])
+def test_profiles_listening_beyond_loopback_refuse_to_start_without_a_key(profile, monkeypatch, tmp_path):
+    from deployment.app import api_key_sha256
+
+    config = yaml.safe_load((REPO_ROOT / profile).read_text())
+    assert config["http_options"]["host"] == "0.0.0.0"
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="SPECSERVE_API_KEY"):
+        api_key_sha256(app_args(profile))
+    secret = tmp_path / "key"
+    secret.write_text("sk-from-a-file\n")
+    args = app_args(profile).model_copy(update={"api_key_file": str(secret)})
+    assert api_key_sha256(args) == hashlib.sha256(b"sk-from-a-file").hexdigest()
+
+
+def test_embedded_default_listens_on_loopback_and_needs_no_key(monkeypatch):
+    from deployment.app import api_key_sha256
+
+    config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    assert api_key_sha256(app_args("serve_config.yaml")) is None
 
 
 def test_embedded_default_comes_from_one_place():

@@ -1,0 +1,54 @@
+"""The soak report's arithmetic (the command itself runs against a served application: a benchmark,
+not a test)."""
+
+from specserve.burst import summary
+from specserve.soak import Outcome, failures_by_phase, markdown, memory_growth, windows
+
+
+def outcome(model, start, end, error="", tokens=32):
+    return Outcome(model, 0.0, 32, False, start, end, 200 if not error else 500, tokens if not error else 0, error)
+
+
+OUTCOMES = [outcome("s", 1, 3), outcome("b", 2, 4), outcome("s", 61, 65), outcome("s", 65, 70, "HTTP 500"),
+            outcome("b", 70, 71), outcome("s", 100, 101)]
+
+
+def test_windows_count_requests_by_start_and_percentiles_of_successes():
+    rows = windows(OUTCOMES, 60)
+    assert [(w["requests"], w["failures"]) for w in rows] == [(2, 0), (4, 1)]
+    assert rows[0]["p50_e2e_s"] == 2.0 and rows[1]["p95_e2e_s"] >= rows[1]["p50_e2e_s"] > 0
+    assert rows[0]["p50_ms_per_token"] == 1e3 * 2 / 32
+
+
+def test_memory_growth_from_the_first_sample_after_warm_up():
+    samples = [{"t": 0, "s": 50, "b": 10}, {"t": 60, "s": 100, "b": 10}, {"t": 600, "s": 103, "b": 10}]
+    growth = memory_growth(samples, warm_up_s=60)
+    assert growth["s"]["after_warm_up_bytes"] == 100 and abs(growth["s"]["change"] - 0.03) < 1e-9
+    assert growth["b"]["change"] == 0
+
+
+def test_failures_split_by_the_engine_outage():
+    timeline = {"killed_at_s": 64, "recovered_at_s": 90}
+    phases = failures_by_phase(OUTCOMES + [outcome("s", 95, 96, "HTTP 503")], timeline)
+    assert phases["total"] == {"s": 2}
+    assert phases["during_outage"] == {"s": 1} and phases["after_recovery"] == {"s": 1}
+    assert failures_by_phase(OUTCOMES, None)["during_outage"] == {}
+
+
+def test_markdown_names_every_figure():
+    report = {"duration_s": 120, "concurrency": 4, "models": ["s", "b"], "requests": 6, "failures": 1,
+              "windows": windows(OUTCOMES, 60), "memory_growth": {"s": {"after_warm_up_bytes": 2**30,
+              "at_end_bytes": 2**30, "change": 0.0}}, "unfinished_requests": {"s": 0, "b": 0},
+              "draft_tracked_requests": 0, "failures_by_phase": failures_by_phase(OUTCOMES, None), "recovery": None}
+    text = markdown(report)
+    assert "6 requests, 1 failed" in text and "+0.0%" in text and "draft tracked requests 0" in text
+
+
+def test_burst_summary_by_status():
+    replies = [{"status": 200, "headers": {}, "status_s": 5.0, "end_s": 9.0},
+               {"status": 429, "headers": {"retry-after": "2"}, "status_s": 0.5, "end_s": 0.5},
+               {"status": 429, "headers": {"retry-after": "2"}, "status_s": 1.5, "end_s": 1.5}]
+    result = summary(replies)
+    assert result["by_status"] == {200: 1, 429: 2}
+    assert result["429"]["status_max_s"] == 1.5 and result["429"]["retry_after"] == ["2"]
+    assert result["200"]["end_max_s"] == 9.0
