@@ -105,12 +105,26 @@ def capacity(summary: dict, slo_p95_e2e_s: float, target_rps: float | None = Non
         within = [c for c, s in sorted(levels.items()) if s["p95_e2e_s"] <= slo_p95_e2e_s and s["failures"] == 0]
         best = max(within) if within else None
         rps = levels[best]["requests_per_s"] if best is not None else 0.0
+        replicas = (math.ceil(target_rps / rps) if rps > 0 else None) if target_rps else None
         plan[target] = {
             "max_concurrency_within_slo": best,
             "requests_per_s_per_replica": rps,
-            "replicas_for_target": (math.ceil(target_rps / rps) if rps > 0 else None) if target_rps else None,
+            "replicas_for_target": replicas,
+            "autoscaling": autoscaling_config(best, replicas),
         }
     return {"slo_p95_e2e_s": slo_p95_e2e_s, "target_requests_per_s": target_rps, "targets": plan}
+
+
+def autoscaling_config(concurrency_within_slo: int | None, replicas_for_target: int | None) -> dict | None:
+    """Ray Serve settings for a model measured on one replica: scale to keep each replica at the highest
+    concurrency that met the SLO (target_ongoing_requests); let a replica take half as many again while
+    a new one starts (max_ongoing_requests: Serve's autoscaler needs head room above its target to see
+    load build up); enough replicas for the target rate at that concurrency (max_replicas)."""
+    if not concurrency_within_slo:
+        return None
+    return {"target_ongoing_requests": concurrency_within_slo,
+            "max_ongoing_requests": math.ceil(1.5 * concurrency_within_slo),
+            "min_replicas": 1, "max_replicas": max(replicas_for_target or 1, 1)}
 
 
 def write_outputs(out_dir: Path, summary: dict, speed: dict, plan: dict | None, extra: dict) -> None:
@@ -162,6 +176,16 @@ def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
         for target, p in plan["targets"].items():
             lines.append(f"| {target} | {p['max_concurrency_within_slo']} | {p['requests_per_s_per_replica']:.2f} | "
                          f"{p['replicas_for_target']} |")
+        lines += ["", "### Autoscaling", "",
+                  "Per model, for its `deployment_config` (target_ongoing_requests: the highest concurrency within "
+                  "the SLO; max_ongoing_requests: 1.5x that, head room while a replica starts; max_replicas: "
+                  "replicas for the target rate):", ""]
+        for target, p in plan["targets"].items():
+            a = p.get("autoscaling")
+            lines.append(f"- {target}: " + ("no tested concurrency met the SLO" if a is None else
+                         f"`max_ongoing_requests: {a['max_ongoing_requests']}, autoscaling_config: "
+                         f"{{min_replicas: {a['min_replicas']}, max_replicas: {a['max_replicas']}, "
+                         f"target_ongoing_requests: {a['target_ongoing_requests']}}}`"))
     lines += ["", "Charts: speedup.png (the speed-ups, read this first), latency.png, tpot.png, throughput.png", ""]
     return "\n".join(lines)
 

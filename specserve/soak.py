@@ -119,15 +119,29 @@ async def memory_sampler(url: str, interval_s: float, t0: float, samples: list, 
 
 # -- engine death --------------------------------------------------------------------------------
 
+def replica_of(title: str, model_id: str) -> bool:
+    """Whether a process title is that of a Serve replica of model_id. Ray titles a replica's process
+    ray::ServeReplica:<app>:<deployment>, with the method it runs appended while it runs one
+    (".handle_request_with_rejection()") and padded with spaces; the deployment is
+    SpecServeLLMServer:<model id with "/" as "--" and "." as "_">."""
+    if not title.startswith("ray::ServeReplica:"):
+        return False
+    parts = title.removeprefix("ray::ServeReplica:").split(":")
+    deployment = model_id.replace("/", "--").replace(".", "_")
+    return len(parts) >= 3 and parts[2].split(".")[0].strip() == deployment
+
+
 def engine_processes(model_id: str) -> list:
     """The vLLM engine processes under the Serve replica(s) of model_id on this machine."""
     import psutil
 
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        title = " ".join(proc.info.get("cmdline") or []).strip()  # Ray pads its process titles
-        if title.startswith("ray::ServeReplica:") and title.endswith(f":{model_id}"):
-            found += [child for child in proc.children(recursive=True) if "EngineCore" in " ".join(child.cmdline())]
+        if replica_of(" ".join(proc.info.get("cmdline") or []), model_id):
+            try:
+                found += [c for c in proc.children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
+            except psutil.Error:
+                pass
     return found
 
 

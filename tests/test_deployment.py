@@ -81,7 +81,9 @@ def test_speculation_counters_on_the_stats_route(serve_app, client):
     assert len(spec["chosen_k_histogram"]) == DEMO_NUM_SPECULATIVE_TOKENS + 1 and sum(spec["chosen_k_histogram"]) > 0
     assert 0 < spec["steps_drafted"] <= spec["steps"]
     assert spec["models"]["draft"].endswith("draft")
-    assert stats[BASELINE] == {"enabled": False}
+    assert stats[BASELINE]["enabled"] is False
+    # Each replica's resident memory, its engine process included (a demo engine holds over 1 GB).
+    assert spec["replica_memory_bytes"] > 2**30 and stats[BASELINE]["replica_memory_bytes"] > 2**30
 
 
 @slow

@@ -57,6 +57,11 @@ def test_slo_capacity_arithmetic():
     # baseline: c=1 P95 9.6 s misses; c=4 P95 6.85 s is within: 4 requests / 20 s = 0.2 req/s.
     assert plan["baseline"]["max_concurrency_within_slo"] == 4
     assert plan["baseline"]["replicas_for_target"] == 5
+    # Autoscaling: keep each replica at the concurrency that met the SLO, 1.5x that at most.
+    assert plan["baseline"]["autoscaling"] == {"target_ongoing_requests": 4, "max_ongoing_requests": 6,
+                                               "min_replicas": 1, "max_replicas": 5}
+    assert plan["speculative"]["autoscaling"]["max_ongoing_requests"] == 2
+    assert capacity(s, slo_p95_e2e_s=1.0)["targets"]["baseline"]["autoscaling"] is None
 
 
 def test_report_files(tmp_path):
@@ -64,7 +69,10 @@ def test_report_files(tmp_path):
     write_outputs(tmp_path, s, speedups(s), capacity(s, 7.0, 1.0), {"note": "fixed"})
     for name in ("summary.json", "report.md", "latency.png", "tpot.png", "throughput.png", "speedup.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "concurrency 4" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "concurrency 4" in report
+    assert "baseline: `max_ongoing_requests: 6, autoscaling_config: {min_replicas: 1, max_replicas: 5, " \
+           "target_ongoing_requests: 4}`" in report
 
 
 def test_rates_count_the_measured_window_not_the_nominal_duration():

@@ -2,7 +2,7 @@
 not a test)."""
 
 from specserve.burst import summary
-from specserve.soak import Outcome, failures_by_phase, markdown, memory_growth, windows
+from specserve.soak import Outcome, failures_by_phase, markdown, memory_growth, replica_of, windows
 
 
 def outcome(model, start, end, error="", tokens=32):
@@ -52,3 +52,13 @@ def test_burst_summary_by_status():
     assert result["by_status"] == {200: 1, 429: 2}
     assert result["429"]["status_max_s"] == 1.5 and result["429"]["retry_after"] == ["2"]
     assert result["200"]["end_max_s"] == 9.0
+
+
+def test_replica_process_titles_idle_and_busy():
+    prefix = "ray::ServeReplica:specserve:SpecServeLLMServer:"
+    assert replica_of(prefix + "specserve-speculative      ", "specserve-speculative")
+    assert replica_of(prefix + "specserve-speculative.handle_request_with_rejection()", "specserve-speculative")
+    assert replica_of(prefix + "qwen2_5-7b-speculative", "qwen2.5-7b-speculative")
+    assert not replica_of(prefix + "specserve-speculative-k2", "specserve-speculative")
+    assert not replica_of(prefix + "specserve-baseline", "specserve-speculative")
+    assert not replica_of("ray::ServeReplica:specserve:SpecServeIngress", "specserve-speculative")
