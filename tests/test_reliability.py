@@ -36,11 +36,15 @@ def app(shared_app_stopped, tmp_path_factory):
     path = tmp_path_factory.mktemp("reliability") / "faulty-autoscaling.yaml"
     path.write_text(yaml.safe_dump(config))
     server = ServeProcess(str(path), path.with_name("serve.log"), env={"SPECSERVE_API_KEY": KEY})
+    patch = pytest.MonkeyPatch()
     try:
         server.wait_ready()
         family = psutil.Process(server.proc.pid).children(recursive=True)
+        # The tooling (Locust, specserve.soak) sends $SPECSERVE_API_KEY, as a user's shell would.
+        patch.setenv("SPECSERVE_API_KEY", KEY)
         yield server
     finally:
+        patch.undo()
         server.stop()
     # serve run and every process it started are gone (the engines included).
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -60,10 +64,7 @@ def locust(app, out: Path, seconds: int, users: int, *classes: str, max_tokens: 
     cmd = [str(Path(sys.executable).with_name("locust")), "-f", str(REPO_ROOT / "loadtest"), "--headless",
            "--host", app.url, "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--stop-timeout", "90",
            "--csv", str(out), "--only-summary", "--max-tokens", str(max_tokens), *classes]
-    import os
-
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=os.environ | {"SPECSERVE_API_KEY": KEY},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def locust_requests(out: Path) -> dict:
