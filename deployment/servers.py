@@ -21,6 +21,9 @@ from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIH
 from deployment.admission import api_key_check, engine_restarting, overloaded
 
 
+HEALTH_CHECK_TIMEOUT_S = 5.0
+
+
 class SpecServeIngress(IngressInternals):
     def __init__(self, *args, api_key_sha256: Optional[str] = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,12 +54,16 @@ class SpecServeIngress(IngressInternals):
         )
 
     async def health(self) -> dict:
-        """200 once every model answers its engine health check; 503 otherwise."""
+        """200 once every model has a running replica whose engine answers its health check; 503
+        otherwise, at once: a request to a model without a running replica would wait for one."""
+        replicas = await self.replicas()
         for model_id, handle in self.model_handles().items():
             try:
-                await handle.check_health.remote()
+                if not replicas[model_id].get("RUNNING"):
+                    raise RuntimeError(f"no running replica ({replicas[model_id]})")
+                await asyncio.wait_for(handle.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - any failure means not ready
-                raise OpenAIHTTPException(503, f"model {model_id} is not healthy: {exc}", "ServiceUnavailable")
+                raise OpenAIHTTPException(503, f"model {model_id} is not healthy: {exc!r}", "ServiceUnavailable")
         return {"status": "ok", "models": self.model_ids()}
 
     async def speculation_stats(self) -> dict:
@@ -66,7 +73,7 @@ class SpecServeIngress(IngressInternals):
 
     async def replicas(self) -> dict:
         """Each model's replicas by state (RUNNING, STARTING, STOPPING, ...), from Serve's status."""
-        status = serve.status()
+        status = await asyncio.to_thread(serve.status)  # a blocking call to the controller
         counts = {}
         for model_id, handle in self.model_handles().items():
             deployment = status.applications[handle.app_name].deployments[handle.deployment_name]
@@ -92,6 +99,16 @@ class SpecServeLLMServer(LLMServer):
         if config and config.engine_kwargs.get("speculative_config"):
             stats = (await self.collective_rpc("specserve_stats"))[0]
         return stats | {"replica_memory_bytes": replica_memory_bytes()}
+
+    async def check_health(self) -> None:
+        """Serve's health check. A dead vLLM engine never comes back in this process, and Serve replaces
+        a replica after three failed checks in a row but at once when its actor has crashed: so a
+        replica whose engine died ends its own process, and is replaced within one check period."""
+        try:
+            await super().check_health()
+        except EngineDeadError:
+            logging.getLogger("specserve.health").error("the vLLM engine died: ending this replica so Serve replaces it now")
+            os._exit(1)
 
     async def start(self):
         await super().start()
