@@ -93,12 +93,12 @@ class SpecServeLLMServer(LLMServer):
 
     async def speculation_stats(self) -> dict:
         """The speculator's counters from this replica's engine (`SpeculativeWorker.specserve_stats`),
-        and the resident memory of the replica with its engine processes."""
+        and the resident memory of the replica with its engine processes, and of the engine alone."""
         config = await self.llm_config()
         stats = {"enabled": False}
         if config and config.engine_kwargs.get("speculative_config"):
             stats = (await self.collective_rpc("specserve_stats"))[0]
-        return stats | {"replica_memory_bytes": replica_memory_bytes()}
+        return stats | memory_bytes()
 
     async def check_health(self) -> None:
         """Serve's health check. A dead vLLM engine never comes back in this process, and Serve replaces
@@ -115,17 +115,20 @@ class SpecServeLLMServer(LLMServer):
         self._metrics_task = asyncio.get_running_loop().create_task(publish_speculation_metrics(self))
 
 
-def replica_memory_bytes() -> int:
-    """Resident memory of this process and every process under it (the vLLM engine core)."""
+def memory_bytes() -> dict:
+    """Resident memory of this replica's process and of the processes under it (the vLLM engine core
+    and its worker): {"replica_memory_bytes": both together, "engine_memory_bytes": those under it}."""
     import psutil
 
-    total = 0
-    for process in (psutil.Process(os.getpid()), *psutil.Process(os.getpid()).children(recursive=True)):
+    def rss(process) -> int:
         try:
-            total += process.memory_info().rss
+            return process.memory_info().rss
         except psutil.Error:  # a child that ended meanwhile
-            pass
-    return total
+            return 0
+
+    me = psutil.Process(os.getpid())
+    engine = sum(rss(child) for child in me.children(recursive=True))
+    return {"replica_memory_bytes": rss(me) + engine, "engine_memory_bytes": engine}
 
 
 PUBLISH_INTERVAL_S = 10.0

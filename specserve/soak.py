@@ -102,13 +102,21 @@ def model_stats(url: str) -> dict:
     return httpx.get(f"{url}/v1/specserve/stats", headers=auth_headers(), timeout=60).raise_for_status().json()
 
 
+def memory_sample(stats: dict, t: float) -> dict:
+    """Each model's replica memory (replica and engine processes), and its engine's alone ("<model> engine")."""
+    sample = {"t": round(t, 1)}
+    for model, s in stats.items():
+        sample[model] = s.get("replica_memory_bytes", 0)
+        sample[f"{model} engine"] = s.get("engine_memory_bytes", 0)
+    return sample
+
+
 async def memory_sampler(url: str, interval_s: float, t0: float, samples: list, stop: asyncio.Event) -> None:
     """Each model's replica memory every interval (one replica of each asked)."""
     while not stop.is_set():
         try:
             stats = await asyncio.to_thread(model_stats, url)
-            samples.append({"t": round(time.monotonic() - t0, 1),
-                            **{m: s.get("replica_memory_bytes", 0) for m, s in stats.items()}})
+            samples.append(memory_sample(stats, time.monotonic() - t0))
         except httpx.HTTPError:
             pass  # an engine being replaced: the sample is skipped, the soak goes on
         try:
@@ -235,7 +243,7 @@ def markdown(report: dict) -> str:
     for w in report["windows"]:
         lines.append(f"| {w['from_s']:.0f} | {w['requests']} | {w['failures']} | {w['p50_e2e_s']:.2f} | "
                      f"{w['p95_e2e_s']:.2f} | {w['p50_ms_per_token']:.1f} | {w['p95_ms_per_token']:.1f} |")
-    lines += ["", "Replica memory (replica and engine processes, resident):", ""]
+    lines += ["", "Replica memory (resident; '<model>': replica and engine processes, '<model> engine': the engine's alone):", ""]
     for model, g in report["memory_growth"].items():
         change = "?" if g["change"] is None else f"{100 * g['change']:+.1f}%"
         lines.append(f"- {model}: {g['after_warm_up_bytes'] / 2**30:.2f} GiB after warm-up, "
@@ -272,7 +280,7 @@ async def soak(args) -> dict:
     await asyncio.sleep(2)  # the engines retire the last aborted requests
     unfinished = httpx.get(f"{args.host}/v1/specserve/unfinished_requests", headers=auth_headers(), timeout=60).json()
     stats = model_stats(args.host)
-    samples.append({"t": round(time.monotonic() - t0, 1), **{m: s.get("replica_memory_bytes", 0) for m, s in stats.items()}})
+    samples.append(memory_sample(stats, time.monotonic() - t0))
     return {
         "duration_s": args.duration, "concurrency": args.concurrency, "models": models, "seed": args.seed,
         "requests": len(outcomes), "failures": sum(bool(o.error) for o in outcomes),

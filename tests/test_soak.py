@@ -2,7 +2,7 @@
 not a test)."""
 
 from specserve.burst import summary
-from specserve.soak import Outcome, failures_by_phase, markdown, memory_growth, replica_of, windows
+from specserve.soak import Outcome, failures_by_phase, markdown, memory_growth, memory_sample, replica_of, windows
 
 
 def outcome(model, start, end, error="", tokens=32):
@@ -62,3 +62,9 @@ def test_replica_process_titles_idle_and_busy():
     assert not replica_of(prefix + "specserve-speculative-k2", "specserve-speculative")
     assert not replica_of(prefix + "specserve-baseline", "specserve-speculative")
     assert not replica_of("ray::ServeReplica:specserve:SpecServeIngress", "specserve-speculative")
+
+
+def test_memory_samples_name_the_engine_share():
+    stats = {"s": {"enabled": True, "replica_memory_bytes": 30, "engine_memory_bytes": 20},
+             "b": {"enabled": False, "replica_memory_bytes": 25, "engine_memory_bytes": 15}}
+    assert memory_sample(stats, 12.34) == {"t": 12.3, "s": 30, "s engine": 20, "b": 25, "b engine": 15}
