@@ -41,7 +41,15 @@ def top2_gap(llm, prompt_ids):
 def test_greedy_text_equals_plain_engine(plain_llm, spec_llm):
     prompts = held_out_prompts(GREEDY_PROMPTS)
     plain = plain_llm.generate(prompts, greedy())
-    spec = spec_llm.generate(prompts, greedy())
+    # The policy weighs measured step times, which this shared machine makes noisy (one CI run saw 34
+    # of 64 requests draft at batch 32): a step base cost pinned far above the rest makes every
+    # request's longest draft the best choice, so that what is tested here, greedy equality while
+    # drafting, does not depend on the machine's load. The policy's own choices have their own tests.
+    spec_llm.collective_rpc("specserve_force_costs", args=({"base": 10.0},))
+    try:
+        spec = spec_llm.generate(prompts, greedy())
+    finally:
+        spec_llm.collective_rpc("specserve_force_costs", args=(None,))
     differ = []
     for p_out, s_out in zip(plain, spec):
         a, b = list(p_out.outputs[0].token_ids), list(s_out.outputs[0].token_ids)
