@@ -54,6 +54,17 @@ class SpecServeArgs(BaseModel):
                           "SPECSERVE_API_KEY in that node's environment takes precedence")
     require_api_key: bool = Field(False, description="refuse to start without an API key (profiles that "
                                                      "listen beyond loopback)")
+    reports_dir: str = Field("reports", validate_default=True, description="where the charts page looks for the latest `specserve "
+                                                    "loadtest --out` report and measure-pair.json (on the "
+                                                    "ingress's node; relative: to the repository)")
+    playground_race: Optional[Literal["one_after_the_other", "side_by_side"]] = Field(
+        None, description="how the playground races the two models: one after the other where they share "
+                          "cores (the default on cpu), side by side where each has its own accelerator (gpu)")
+
+    @field_validator("reports_dir")
+    @classmethod
+    def _reports_under_repo(cls, value: str) -> str:
+        return value if value.startswith("/") else str(REPO_ROOT / value)
 
     @field_validator("target_model", "draft_model")
     @classmethod
@@ -120,11 +131,20 @@ def api_key_sha256(args: SpecServeArgs) -> Optional[str]:
     return digest
 
 
+def playground_settings(args: SpecServeArgs, api_key_required: bool) -> dict:
+    """What the playground page is told (`deployment.playground.PlaygroundRoutes`)."""
+    race = args.playground_race or ("one_after_the_other" if args.accelerator == "cpu" else "side_by_side")
+    return {"speculative_model": args.speculative_model_id, "baseline_model": args.baseline_model_id,
+            "num_speculative_tokens": args.num_speculative_tokens, "accelerator": args.accelerator,
+            "api_key_required": api_key_required, "race": race, "reports_dir": args.reports_dir}
+
+
 def build_app(args: SpecServeArgs):
     """Both models behind one OpenAI ingress: /v1/completions, /v1/chat/completions, /v1/models,
     /health (open without a key), /v1/specserve/unfinished_requests (per model, for drain checks),
     /v1/specserve/replicas (per model, by state) and /v1/specserve/stats (per model: the speculator's
-    chosen-K histogram, drafted shares and step-cost model, the replica's memory)."""
+    chosen-K histogram, drafted shares and step-cost model, the replica's memory); the playground at
+    /playground (/ redirects there) and the charts at /playground/charts."""
     from ray import serve
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import make_fastapi_ingress
@@ -132,6 +152,7 @@ def build_app(args: SpecServeArgs):
     from deployment._ray_internals import (DEFAULT_ENDPOINTS, maybe_apply_llm_deployment_config_defaults,
                                            new_ingress_app, to_model_metadata)
     from deployment.admission import check_api_key
+    from deployment.playground import ENDPOINTS as PLAYGROUND_ENDPOINTS
     from deployment.servers import SpecServeIngress
 
     configs = llm_configs(args)
@@ -141,6 +162,7 @@ def build_app(args: SpecServeArgs):
     endpoints["unfinished_requests"] = lambda app: app.get("/v1/specserve/unfinished_requests")
     endpoints["replicas"] = lambda app: app.get("/v1/specserve/replicas")
     endpoints["speculation_stats"] = lambda app: app.get("/v1/specserve/stats")
+    endpoints |= PLAYGROUND_ENDPOINTS
     app = new_ingress_app()
     app.middleware("http")(check_api_key)  # added last, so it runs first
     ingress = make_fastapi_ingress(SpecServeIngress, endpoint_map=endpoints, app=app)
@@ -150,4 +172,5 @@ def build_app(args: SpecServeArgs):
         llm_deployments={c.model_id: build_llm_deployment(c) for c in configs},
         model_cards={c.model_id: to_model_metadata(c.model_id, c) for c in configs},
         api_key_sha256=digest,
+        playground_settings=playground_settings(args, digest is not None),
     )

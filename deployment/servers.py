@@ -3,31 +3,39 @@ the API key on `/v1` and OpenAI-shaped back-pressure (`deployment.admission`), O
 unknown models, a `/health` route that asks every model's replicas, each model's replica counts, a count
 of the engine's unfinished requests (for drain checks and tests), and the speculator's counters (the
 chosen-K histogram, the share of steps and requests that drafted, the step-cost model) with the
-replica's memory as JSON on `/v1/specserve/stats` and as Prometheus metrics through Ray's metrics export."""
+replica's memory as JSON on `/v1/specserve/stats` and as Prometheus metrics through Ray's metrics export.
+A speculative request that asks for a trace (`"vllm_xargs": {"specserve_trace": 1}`) gets its per-step
+trace in the response's "specserve_trace" field (on a stream: the final usage chunk), taken from the
+engine's worker when the request ends; the ingress also serves the playground (`deployment.playground`)."""
 
 import asyncio
+import json
 import logging
 import os
-from typing import Optional
+import uuid
+from typing import AsyncGenerator, Optional
 
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.llm import LLMServer
-from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIHTTPException, engine_client
 from deployment.admission import api_key_check, engine_restarting, overloaded
+from deployment.playground import PlaygroundRoutes
+from plugin.trace import TRACE_ARG, trace_document
 
 
 HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
-class SpecServeIngress(IngressInternals):
-    def __init__(self, *args, api_key_sha256: Optional[str] = None, **kwargs):
+class SpecServeIngress(PlaygroundRoutes, IngressInternals):
+    def __init__(self, *args, api_key_sha256: Optional[str] = None, playground_settings: Optional[dict] = None, **kwargs):
         super().__init__(*args, **kwargs)
         api_key_check.require(api_key_sha256)
+        self.playground_settings = playground_settings or {}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self.admitted(super().completions(body, request), body.model)
@@ -87,6 +95,71 @@ class SpecServeIngress(IngressInternals):
 
 
 class SpecServeLLMServer(LLMServer):
+    async def completions(self, request: CompletionRequest, raw_request_info=None) -> AsyncGenerator:
+        key = await self._trace_key(request)
+        if isinstance(key, ErrorResponse):
+            return _one(key)
+        stream = await super().completions(request, raw_request_info)
+        return stream if key is None else self._with_trace(stream, key)
+
+    async def chat(self, request: ChatCompletionRequest, raw_request_info=None) -> AsyncGenerator:
+        key = await self._trace_key(request)
+        if isinstance(key, ErrorResponse):
+            return _one(key)
+        stream = await super().chat(request, raw_request_info)
+        return stream if key is None else self._with_trace(stream, key)
+
+    async def _trace_key(self, request) -> Optional[str] | ErrorResponse:
+        """For a request that asks for a trace, the key its trace is kept under in the engine, set in its
+        vllm_xargs (unique, so that the client's value cannot collide); None when it asks for none or
+        the model does not speculate (its response has no trace); an error when it cannot be traced."""
+        xargs = request.vllm_xargs or {}
+        if not xargs.get(TRACE_ARG) or str(xargs[TRACE_ARG]).lower() in ("0", "false"):
+            return None
+        config = await self.llm_config()
+        if not (config and config.engine_kwargs.get("speculative_config")):
+            request.vllm_xargs = {k: v for k, v in xargs.items() if k != TRACE_ARG}
+            return None
+        if (request.n or 1) > 1:
+            return ErrorResponse(error={"message": f"{TRACE_ARG} traces one sequence: use n=1",
+                                        "type": "BadRequestError", "param": "n", "code": 400})
+        key = f"http-{uuid.uuid4().hex}"
+        request.vllm_xargs = xargs | {TRACE_ARG: key}
+        return key
+
+    async def _with_trace(self, stream: AsyncGenerator, key: str) -> AsyncGenerator:
+        """The response stream with the trace added: to a whole response, or to the final usage chunk
+        of a stream (lists of "data: {...}" lines). A trace no response took (a client gone, an error)
+        is taken anyway, so that the engine holds nothing for it."""
+        attached = False
+        try:
+            async for item in stream:
+                if isinstance(item, list):
+                    item = [await self._chunk_with_trace(line, key) if _is_usage_chunk(line) else line for line in item]
+                    attached = attached or any(TRACE_ARG in line for line in item if isinstance(line, str))
+                elif getattr(item, "usage", None) is not None:
+                    setattr(item, TRACE_ARG, await self.trace(key, item.usage.completion_tokens))
+                    attached = True
+                yield item
+        finally:
+            if not attached:  # a task: awaiting in a cancelled generator's cleanup is not safe
+                task = asyncio.get_running_loop().create_task(self.collective_rpc("specserve_take_trace", args=(key,)))
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+
+    async def _chunk_with_trace(self, line: str, key: str) -> str:
+        chunk = json.loads(line[len("data: "):])
+        chunk[TRACE_ARG] = await self.trace(key, chunk["usage"]["completion_tokens"])
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def trace(self, key: str, completion_tokens: int) -> Optional[dict]:
+        """The request's trace document (`plugin.trace.trace_document`), taken from the engine."""
+        trace = (await self.collective_rpc("specserve_take_trace", args=(key,)))[0]
+        if trace is None:
+            return None
+        tokenizer = engine_client(self).get_tokenizer()
+        return trace_document(trace, completion_tokens, tokenizer.decode)
+
     async def num_unfinished_requests(self) -> int:
         """Requests the engine of this replica still holds (running or waiting)."""
         return engine_client(self).output_processor.get_num_unfinished_requests()
@@ -113,6 +186,21 @@ class SpecServeLLMServer(LLMServer):
     async def start(self):
         await super().start()
         self._metrics_task = asyncio.get_running_loop().create_task(publish_speculation_metrics(self))
+
+
+_background: set = set()  # tasks that must not be garbage-collected before they run
+
+
+async def _one(item) -> AsyncGenerator:
+    yield item
+
+
+def _is_usage_chunk(line) -> bool:
+    """The final chunk of a stream: no choices, and the usage (which the engine always adds)."""
+    if not isinstance(line, str) or not line.startswith("data: {") or '"usage"' not in line:
+        return False
+    chunk = json.loads(line[len("data: "):])
+    return not chunk.get("choices") and chunk.get("usage") is not None
 
 
 def memory_bytes() -> dict:

@@ -9,6 +9,10 @@ For the adaptive speculation policy it also times every decode step: the target'
 from execute_model to the end of sample_tokens, less the proposer's own time) against the requests,
 tokens and drafts the scheduler gave it; and once at start-up, after vLLM's warm-up, the target's
 forward at a range of token counts. Fixed-K and "off" engines need no costs and skip both.
+
+Requests that ask for a trace (`plugin.trace`) have each step recorded from what the scheduler sent to
+verify and what the step emitted; `specserve_take_trace` hands a finished trace over. A step with no
+traced request in it does no trace work beyond one empty-dictionary check.
 """
 
 import logging
@@ -16,6 +20,7 @@ import time
 
 from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
+from plugin.trace import TraceBook, trace_key
 from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
 
@@ -25,6 +30,13 @@ CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class SpeculativeWorker(internals.platform_worker_class()):
     _step_started: tuple | None = None
+    _traced_step: dict | None = None  # request id -> the drafts this step verifies, for traced requests
+
+    @property
+    def traces(self) -> TraceBook:
+        if "_traces" not in self.__dict__:
+            self._traces = TraceBook()
+        return self._traces
 
     def load_model(self, *args, **kwargs):
         result = super().load_model(*args, **kwargs)
@@ -54,6 +66,9 @@ class SpeculativeWorker(internals.platform_worker_class()):
         drafter = self._draft_proposer()
         if drafter and scheduler_output.finished_req_ids:
             drafter.release(scheduler_output.finished_req_ids)
+            self.traces.finish(scheduler_output.finished_req_ids)
+        if drafter:
+            self._begin_trace_step(scheduler_output)
         if drafter and drafter.policy.mode == "adaptive" and scheduler_output.total_num_scheduled_tokens:
             drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
             requests, tokens = len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
@@ -63,12 +78,52 @@ class SpeculativeWorker(internals.platform_worker_class()):
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if output is not None:
             self._end_step(drafter)
+            self._record_trace_step(output)
         return output
 
     def sample_tokens(self, *args, **kwargs):
         output = super().sample_tokens(*args, **kwargs)
         self._end_step(self._draft_proposer())
+        self._record_trace_step(output)
         return output
+
+    def _begin_trace_step(self, scheduler_output) -> None:
+        """Note the traced requests in this step and the drafts each one has verified."""
+        for new in scheduler_output.scheduled_new_reqs:
+            params = getattr(new, "sampling_params", None)
+            if params is not None and (key := trace_key(params.extra_args, new.req_id)):
+                self.traces.start(new.req_id, key)
+        if not self.traces.live:
+            self._traced_step = None
+            return
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        self._traced_step = {req_id: spec.get(req_id, ()) for req_id in self.traces.live
+                             if req_id in scheduler_output.num_scheduled_tokens}
+
+    def _record_trace_step(self, output) -> None:
+        """Each traced request's emitted tokens this step (accepted drafts, then recovered or bonus)."""
+        step, self._traced_step = self._traced_step, None
+        index = getattr(output, "req_id_to_index", None)  # None: not a ModelRunnerOutput
+        if not step or index is None:
+            return
+        for req_id, drafted in step.items():
+            if (row := index.get(req_id)) is not None and row < len(output.sampled_token_ids):
+                self.traces.record(req_id, [int(t) for t in drafted], [int(t) for t in output.sampled_token_ids[row]])
+
+    def specserve_take_trace(self, key: str) -> dict | None:
+        """A traced request's steps, removed from the worker (`plugin.trace`), with what the response's
+        figures need: K_max and the pair's cost ratio c (the target's step over one draft forward, at
+        batch 1, from the step-cost model; None unless the policy is adaptive, which measures them)."""
+        drafter = self._draft_proposer()
+        trace = self.traces.take(key)
+        if trace is None or drafter is None:
+            return trace
+        cost_ratio = None
+        if drafter.policy.mode == "adaptive":
+            costs = drafter.policy.costs(1)
+            draft_forward = costs.per_draft_forward + costs.per_draft_token  # one row drafting one token
+            cost_ratio = float(costs.base / draft_forward) if draft_forward > 0 else None
+        return trace | {"k_max": drafter.k, "cost_ratio": cost_ratio}
 
     def _end_step(self, drafter: DraftProposer | None) -> None:
         """The target's time this step (the step less the proposer's part), for the step-cost model."""
@@ -102,4 +157,5 @@ class SpeculativeWorker(internals.platform_worker_class()):
             "profile_enabled": drafter.profile.enabled,
             "profile_seconds": dict(drafter.profile.seconds),
             **drafter.policy.summary(),
+            **self.traces.held(),
         }

@@ -15,6 +15,14 @@ else
   build=cpu
 fi
 
+# The browser tests drive Debian's Chromium (Playwright's own browser download needs a network this
+# project does not assume); installed once, with sudo when not root.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  echo "specserve: installing Debian's chromium for the browser tests" >&2
+  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q chromium >/dev/null
+fi
+
 stamp=.venv/.specserve-stamp
 want="$build $(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

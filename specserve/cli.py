@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     burst_arguments(p)
     p.set_defaults(func=_run("specserve.burst"))
 
+    p = sub.add_parser("trace", help="one speculative request's steps, coloured: accepted, rejected, recovered, bonus")
+    from specserve.trace import add_arguments as trace_arguments
+
+    trace_arguments(p)
+    p.set_defaults(func=_run("specserve.trace"))
+
+    p = sub.add_parser("bench-trace", help="what the per-step trace costs: the worker's hooks off and on, and end to end")
+    from specserve.bench_trace import add_arguments as bench_trace_arguments
+
+    bench_trace_arguments(p)
+    p.set_defaults(func=_run("specserve.bench_trace"))
+
     p = sub.add_parser("verify", help="prove a target/draft pair lossless on this machine and size it")
     from specserve.verify import add_arguments as verify_arguments
 

@@ -34,8 +34,15 @@ def spec_llm():
 
 @pytest.fixture(scope="session")
 def serve_app():
-    """`serve run serve_config.yaml` itself, started once for the session (shared with the load tests)."""
+    """`serve run serve_config.yaml` itself, started once for the session (shared with the load tests).
+    SPECSERVE_TEST_URL names one already running instead (while developing: it is not stopped after)."""
+    import os
+
     from specserve.serve_process import ServeProcess
+
+    if os.environ.get("SPECSERVE_TEST_URL"):
+        yield os.environ["SPECSERVE_TEST_URL"]
+        return
 
     server = _shared["serve"] = ServeProcess("serve_config.yaml")
     try:
@@ -53,3 +60,32 @@ def shared_app_stopped():
     server = _shared.pop("serve", None)
     if server is not None:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def output_dir():
+    """Where tests leave what a person may want to look at (screenshots): $SPECSERVE_TEST_OUTPUT, or
+    test-output/ in the repository."""
+    import os
+    from pathlib import Path
+
+    from deployment.defaults import REPO_ROOT
+
+    path = Path(os.environ.get("SPECSERVE_TEST_OUTPUT") or REPO_ROOT / "test-output")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium (Debian's package, which ./scripts/setup.sh installs) driven by Playwright."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert executable, "no Chromium on PATH: ./scripts/setup.sh installs Debian's chromium package"
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()

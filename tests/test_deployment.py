@@ -70,6 +70,77 @@ def test_speculation_summary_on_speculative_responses(client):
     assert not (baseline.model_extra.get("metrics") or {}).get("speculative_decoding")
 
 
+TRACED = {"vllm_xargs": {"specserve_trace": 1}, "return_token_ids": True}
+
+
+def emitted(trace: dict) -> list[int]:
+    return [t for step in trace["steps"] for t in step["emitted"]]
+
+
+def trace_held(serve_app) -> tuple:
+    stats = httpx.get(f"{serve_app}/v1/specserve/stats", timeout=30).json()[SPEC]
+    return stats["trace_live_requests"], stats["trace_held"]
+
+
+@slow
+def test_trace_in_the_response_and_on_the_final_chunk(serve_app, client):
+    """The opt-in per-step trace over HTTP: the steps' tokens are the completion's, in the response of a
+    completion and of a chat, and on the final chunk of a stream only; none unless asked, none from
+    the baseline; nothing left in the engine afterwards."""
+    done = client.completions.create(model=SPEC, prompt=prompt(4), max_tokens=40, temperature=0, extra_body=TRACED)
+    trace = done.model_extra["specserve_trace"]
+    assert emitted(trace) == done.choices[0].model_extra["token_ids"]
+    assert "".join(t for s in trace["steps"] for t in s["emitted_text"]) == done.choices[0].text
+    assert all(s["accepted"] <= s["k"] for s in trace["steps"]) and trace["summary"]["tokens"] == 40
+    assert trace["summary"]["drafting_steps"] > 0 and trace["k_max"] == DEMO_NUM_SPECULATIVE_TOKENS
+
+    chunks = list(client.completions.create(model=SPEC, prompt=prompt(4), max_tokens=40, temperature=0, stream=True,
+                                            extra_body=TRACED))
+    carrying = [i for i, c in enumerate(chunks) if "specserve_trace" in c.model_extra]
+    assert carrying == [len(chunks) - 1] and not chunks[-1].choices  # the final (usage) chunk
+    assert emitted(chunks[-1].model_extra["specserve_trace"]) == emitted(trace)
+
+    chat = client.chat.completions.create(model=SPEC, max_tokens=16, temperature=0, extra_body=TRACED,
+                                          messages=[{"role": "user", "content": prompt(1)}])
+    assert emitted(chat.model_extra["specserve_trace"]) == chat.choices[0].model_extra["token_ids"]
+
+    untraced = client.completions.create(model=SPEC, prompt=prompt(4), max_tokens=8, temperature=0)
+    baseline = client.completions.create(model=BASELINE, prompt=prompt(4), max_tokens=8, temperature=0, extra_body=TRACED)
+    assert "specserve_trace" not in untraced.model_extra and "specserve_trace" not in baseline.model_extra
+    assert trace_held(serve_app) == (0, 0)
+
+    refused = httpx.post(f"{serve_app}/v1/completions", timeout=30, json={
+        "model": SPEC, "prompt": prompt(4), "max_tokens": 4, "n": 2, **TRACED})
+    assert refused.status_code == 400 and "n=1" in refused.json()["error"]["message"]
+
+
+@slow
+def test_trace_of_a_stream_the_client_left_is_freed(serve_app):
+    body = {"model": SPEC, "prompt": prompt(3), "max_tokens": 400, "ignore_eos": True, "stream": True, **TRACED}
+    with httpx.stream("POST", f"{serve_app}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 30
+    while trace_held(serve_app) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert trace_held(serve_app) == (0, 0)
+
+
+@slow
+def test_trace_command_against_the_running_application(serve_app):
+    import subprocess
+
+    result = subprocess.run([str(REPO_ROOT / ".venv/bin/specserve"), "trace", prompt(5), "--url", serve_app,
+                             "--max-tokens", "24", "--color", "always"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\x1b[32m" in result.stdout and "\x1b[36mbonus" in result.stdout  # accepted tokens; the legend
+    assert "tokens/step" in result.stdout and "acceptance" in result.stdout
+    empty = subprocess.run([str(REPO_ROOT / ".venv/bin/specserve"), "trace", " ", "--url", serve_app],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "empty" in empty.stderr
+
+
 @slow
 def test_speculation_counters_on_the_stats_route(serve_app, client):
     """/v1/specserve/stats: the speculative engine's policy (adaptive, as shipped), its chosen-K

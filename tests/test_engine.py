@@ -202,3 +202,68 @@ def test_policy_switches_speculation_off_when_drafting_costs_too_much_and_back(p
     after = speculation_counters(spec_llm)
     assert after["draft_forwards"] > during["draft_forwards"] and after["steps_drafted"] > during["steps_drafted"]
     assert token_ids(back) == plain
+
+
+def assert_trace_consistent(output, document):
+    """The trace's emitted tokens are the completion's; each step emits accepted + 1 tokens (the last
+    may be cut by max_tokens or a stop) and accepts a prefix of its drafts."""
+    steps = document["steps"]
+    assert [t for s in steps for t in s["emitted"]] == list(output.outputs[0].token_ids)
+    for i, s in enumerate(steps):
+        assert 0 <= s["accepted"] <= s["k"] == len(s["drafted"])
+        kept = min(s["accepted"], len(s["emitted"]))  # a cut step may keep fewer than it accepted
+        assert s["emitted"][:kept] == s["drafted"][:kept]
+        if i < len(steps) - 1 or not s.get("cut"):
+            assert len(s["emitted"]) == s["accepted"] + 1, (i, s)
+            assert (s["recovered"] is None) == (s["accepted"] == s["k"]) and (s["bonus"] is None) != (s["recovered"] is None)
+        else:
+            assert len(s["emitted"]) <= s["accepted"] + 1
+    # The text: the whole of it, or, after a stop string, what precedes the stop string.
+    assert "".join(t for s in steps for t in s["emitted_text"]).startswith(output.outputs[0].text)
+
+
+def test_trace_of_greedy_requests_matches_the_plain_engine(plain_llm, spec_llm):
+    """Traced greedy requests (lengths that cut a last step short; an EOS stop allowed): consistent
+    traces, and every recovered token is the target's argmax, the plain engine's token at that place,
+    which the rejected draft was not."""
+    from specserve.trace import traced_generate
+
+    prompts = held_out_prompts(8)
+    params = SamplingParams(temperature=0.0, max_tokens=37)
+    plain = token_ids(plain_llm.generate(prompts, params))
+    spec_llm.collective_rpc("specserve_force_costs", args=({"base": 10.0},))  # every request drafts
+    try:
+        traced = traced_generate(spec_llm, prompts, params)
+    finally:
+        spec_llm.collective_rpc("specserve_force_costs", args=(None,))
+    recovered = 0
+    for (output, document), plain_ids in zip(traced, plain):
+        assert_trace_consistent(output, document)
+        spec_ids = list(output.outputs[0].token_ids)
+        # Up to where the two engines agree (all of it, unless a bf16 near-tie tipped one token;
+        # test_greedy_text_equals_plain_engine accounts for those).
+        agree = next((i for i, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b), len(plain_ids))
+        position = 0
+        for s in document["steps"]:
+            if s["recovered"] is not None and position + s["accepted"] < min(agree, position + len(s["emitted"])):
+                at = position + s["accepted"]
+                assert s["recovered"] == plain_ids[at] != s["drafted"][s["accepted"]]
+                recovered += 1
+            position += len(s["emitted"])
+        assert document["summary"]["drafting_steps"] > 0
+    assert recovered > 0  # the check above ran
+    assert sum(d["steps"][-1].get("cut", False) for _, d in traced) > 0  # and a last step was cut
+
+
+def test_trace_when_sampling_and_none_for_untraced_requests(spec_llm):
+    from specserve.trace import traced_generate
+
+    prompts = held_out_prompts(6)
+    for output, document in traced_generate(spec_llm, prompts, SamplingParams(temperature=0.8, max_tokens=40, stop=["\n\n"])):
+        assert_trace_consistent(output, document)
+    held = spec_llm.collective_rpc("specserve_stats")[0]
+    assert (held["trace_live_requests"], held["trace_held"]) == (0, 0)  # taken: nothing left
+    outputs = spec_llm.generate(prompts * 4, SamplingParams(temperature=0.8, max_tokens=24), use_tqdm=False)
+    assert all(o.outputs[0].token_ids for o in outputs)
+    held = spec_llm.collective_rpc("specserve_stats")[0]
+    assert (held["trace_live_requests"], held["trace_held"], held["trace_held_steps"]) == (0, 0, 0)

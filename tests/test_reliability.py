@@ -101,6 +101,28 @@ def test_api_key_guards_every_v1_route_and_leaves_health_open(app):
     assert not [p for p in logs if p.is_file() and KEY.encode() in p.read_bytes()]
 
 
+def test_playground_asks_for_the_key_and_keeps_it_in_the_browser(app, browser):
+    page = browser.new_page()
+    page.goto(f"{app.url}/playground")
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.is_visible("#key-box")  # the application has a key, so the page asks for it
+
+    def race() -> str:
+        page.fill("#max-tokens", "8")
+        page.click("#race")
+        page.wait_for_selector("body[data-race=done], body[data-race=failed]", timeout=120_000)
+        return page.get_attribute("body", "data-race")
+
+    assert race() == "failed" and "401" in page.inner_text("#error")
+    page.fill("#api-key", KEY)
+    page.click("#save-key")
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.evaluate("() => localStorage.getItem('specserve-api-key')") == KEY
+    assert race() == "done", page.inner_text("#error")
+    page.close()
+
+
 def test_fault_injected_draft_serves_a_locust_run_without_failures_and_stays_exact(app, tmp_path):
     before = get(app, "/v1/specserve/stats").json()[SPEC]["failures"]
     run = locust(app, tmp_path / "faults", 20, 4, "SpeculativeUser")
