@@ -49,7 +49,7 @@ def read_charts(reports_dir: Path) -> dict:
     pair_file = reports_dir / MEASURE_PAIR_FILE
     pair = json.loads(pair_file.read_text()) if pair_file.is_file() else None
     return {
-        "reports_dir": str(reports_dir),
+        "reports_dir": reports_dir.name,  # the name only: the pages need no key, and paths are the node's business
         "report": None if report is None else {
             "name": str(report.relative_to(reports_dir)) if report != reports_dir else report.name,
             "markdown": (report / "report.md").read_text(),

@@ -25,7 +25,7 @@ from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionReq
 from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIHTTPException, engine_client
 from deployment.admission import api_key_check, engine_restarting, overloaded
 from deployment.playground import PlaygroundRoutes
-from plugin.trace import TRACE_ARG, trace_document
+from plugin.trace import TRACE_ARG, trace_document, wants_trace
 
 
 HEALTH_CHECK_TIMEOUT_S = 5.0
@@ -96,17 +96,17 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
 
 class SpecServeLLMServer(LLMServer):
     async def completions(self, request: CompletionRequest, raw_request_info=None) -> AsyncGenerator:
-        key = await self._trace_key(request)
-        if isinstance(key, ErrorResponse):
-            return _one(key)
-        stream = await super().completions(request, raw_request_info)
-        return stream if key is None else self._with_trace(stream, key)
+        return await self._run_traced(request, super().completions, raw_request_info)
 
     async def chat(self, request: ChatCompletionRequest, raw_request_info=None) -> AsyncGenerator:
+        return await self._run_traced(request, super().chat, raw_request_info)
+
+    async def _run_traced(self, request, run, raw_request_info) -> AsyncGenerator:
+        """The request run by LLMServer's `run`, with its trace added when it asks for one."""
         key = await self._trace_key(request)
         if isinstance(key, ErrorResponse):
             return _one(key)
-        stream = await super().chat(request, raw_request_info)
+        stream = await run(request, raw_request_info)
         return stream if key is None else self._with_trace(stream, key)
 
     async def _trace_key(self, request) -> Optional[str] | ErrorResponse:
@@ -114,14 +114,14 @@ class SpecServeLLMServer(LLMServer):
         vllm_xargs (unique, so that the client's value cannot collide); None when it asks for none or
         the model does not speculate (its response has no trace); an error when it cannot be traced."""
         xargs = request.vllm_xargs or {}
-        if not xargs.get(TRACE_ARG) or str(xargs[TRACE_ARG]).lower() in ("0", "false"):
+        if TRACE_ARG not in xargs:
             return None
         config = await self.llm_config()
-        if not (config and config.engine_kwargs.get("speculative_config")):
+        if not wants_trace(xargs[TRACE_ARG]) or not (config and config.engine_kwargs.get("speculative_config")):
             request.vllm_xargs = {k: v for k, v in xargs.items() if k != TRACE_ARG}
             return None
-        if (request.n or 1) > 1:
-            return ErrorResponse(error={"message": f"{TRACE_ARG} traces one sequence: use n=1",
+        if (getattr(request, "n", None) or 1) > 1 or _several_prompts(getattr(request, "prompt", None)):
+            return ErrorResponse(error={"message": f"{TRACE_ARG} traces one sequence: use n=1 and one prompt",
                                         "type": "BadRequestError", "param": "n", "code": 400})
         key = f"http-{uuid.uuid4().hex}"
         request.vllm_xargs = xargs | {TRACE_ARG: key}
@@ -153,12 +153,22 @@ class SpecServeLLMServer(LLMServer):
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def trace(self, key: str, completion_tokens: int) -> Optional[dict]:
-        """The request's trace document (`plugin.trace.trace_document`), taken from the engine."""
-        trace = (await self.collective_rpc("specserve_take_trace", args=(key,)))[0]
-        if trace is None:
+        """The request's trace document (`plugin.trace.trace_document`), taken from the engine; None
+        when there is none or it failed (the completion is delivered either way)."""
+        try:
+            trace = (await self.collective_rpc("specserve_take_trace", args=(key,)))[0]
+            if trace is None:
+                return None
+            tokenizer = engine_client(self).get_tokenizer()
+
+            def decode(ids):
+                return tokenizer.decode(ids, skip_special_tokens=True)  # as the response's text
+
+            # Decoding a long trace takes milliseconds: off the event loop that serves the other streams.
+            return await asyncio.to_thread(trace_document, trace, completion_tokens, decode)
+        except Exception as exc:  # noqa: BLE001 - a trace must never cost the response
+            logging.getLogger("specserve.trace").warning("trace %s not delivered: %r", key, exc)
             return None
-        tokenizer = engine_client(self).get_tokenizer()
-        return trace_document(trace, completion_tokens, tokenizer.decode)
 
     async def num_unfinished_requests(self) -> int:
         """Requests the engine of this replica still holds (running or waiting)."""
@@ -193,6 +203,11 @@ _background: set = set()  # tasks that must not be garbage-collected before they
 
 async def _one(item) -> AsyncGenerator:
     yield item
+
+
+def _several_prompts(prompt) -> bool:
+    """A completion prompt that is a list of prompts (texts, or lists of token ids), not one."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
 
 
 def _is_usage_chunk(line) -> bool:

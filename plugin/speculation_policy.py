@@ -332,6 +332,17 @@ class SpeculationPolicy:
         self.histogram += np.bincount(k[eligible], minlength=self.max_k + 1)
         return k
 
+    def cost_ratio(self) -> float | None:
+        """The seeds' c at batch 1: the target's decode step (the step without drafts, less the draft's
+        own per-step overhead) over one draft forward of one row. None unless adaptive (only the
+        adaptive policy measures costs)."""
+        if self.mode != "adaptive":
+            return None
+        overhead = self.draft.coefficients()[0]
+        costs = self.costs(1)
+        draft_forward = costs.per_draft_forward + costs.per_draft_token
+        return float((costs.base - overhead) / draft_forward) if draft_forward > 0 else None
+
     def summary(self) -> dict:
         costs = self.costs(1)
         return {

@@ -10,7 +10,7 @@ rejection are never tested.
 
 Opt-in per request: `SamplingParams.extra_args["specserve_trace"]` (over HTTP, `"vllm_xargs"`). A string
 value is the key the trace is taken with (`SpeculativeWorker.specserve_take_trace(key)`); any other true
-value keys it by the engine's request id. A request without it never enters the book, so tracing costs
+value keys it by the engine's request id (false: 0, "0", "false", "no", any case). A request without it never enters the book, so tracing costs
 an untraced request one dictionary lookup when it arrives and nothing after. The book is bounded: at
 most MAX_STEPS steps per trace, at most MAX_UNCLAIMED finished traces kept for their taker (oldest
 dropped first).
@@ -23,19 +23,22 @@ formula predicts from them.
 from collections import OrderedDict
 from typing import Callable, Optional
 
-from plugin.speculation_math import optimal_k, speedup
-
 TRACE_ARG = "specserve_trace"
 MAX_STEPS = 4096
 MAX_UNCLAIMED = 64
+TEXT_CONTEXT = 6  # prompt tokens kept with a trace, so that its first token decodes as in the text
+
+
+def wants_trace(value) -> bool:
+    return bool(value) and str(value).strip().lower() not in ("0", "false", "no")
 
 
 def trace_key(extra_args: Optional[dict], req_id: str) -> Optional[str]:
     """The key a request's trace is kept under, or None when the request asked for no trace."""
     value = (extra_args or {}).get(TRACE_ARG)
-    if not value or value in ("0", "false"):
+    if not wants_trace(value):
         return None
-    return value if isinstance(value, str) and value not in ("1", "true") else req_id
+    return value if isinstance(value, str) and value.strip().lower() not in ("1", "true", "yes") else req_id
 
 
 def step_record(drafted: list[int], emitted: list[int]) -> dict:
@@ -56,11 +59,13 @@ class TraceBook:
         self.live: dict[str, str] = {}  # request id -> key, while the request runs
         self.steps: dict[str, list[dict]] = {}  # key -> steps, until taken
         self.truncated: set[str] = set()
+        self.context: dict[str, list[int]] = {}  # key -> the prompt's last tokens
         self.unclaimed: OrderedDict[str, None] = OrderedDict()  # keys of finished, untaken traces, oldest first
 
-    def start(self, req_id: str, key: str) -> None:
+    def start(self, req_id: str, key: str, context: Optional[list[int]] = None) -> None:
         self.live[req_id] = key
         self.steps[key] = []
+        self.context[key] = list(context or ())
 
     def record(self, req_id: str, drafted: list[int], emitted: list[int]) -> None:
         steps = self.steps.get(self.live.get(req_id, ""))
@@ -83,13 +88,14 @@ class TraceBook:
         """The trace's steps (and whether MAX_STEPS cut it), removed from the book; None if unknown."""
         if key not in self.steps:
             return None
-        trace = {"steps": self.steps[key], "truncated": key in self.truncated}
+        trace = {"steps": self.steps[key], "truncated": key in self.truncated, "context": self.context.get(key, [])}
         self._drop(key)
         return trace
 
     def _drop(self, key: str) -> None:
         self.steps.pop(key, None)
         self.truncated.discard(key)
+        self.context.pop(key, None)
         self.unclaimed.pop(key, None)
 
     def held(self) -> dict:
@@ -112,18 +118,21 @@ def cut_to_completion(steps: list[dict], completion_tokens: int) -> list[dict]:
     return kept
 
 
-def token_texts(decode: Callable[[list[int]], str], ids: list[int], context: int = 6) -> list[str]:
+def token_texts(decode: Callable[[list[int]], str], ids: list[int], prefix: Optional[list[int]] = None) -> list[str]:
     """Each token's text within the sequence, so that concatenated they read as the whole: decoded after
-    a few tokens of context (a tokenizer may spell a token differently at the start of a text), and a
-    token that ends inside a multi-byte character gets its text with the one that completes it."""
-    texts, pending = [], 0  # ids[pending:] have no text yet
-    for i in range(len(ids)):
-        lo = max(0, pending - context)
-        whole = decode(ids[lo: i + 1])
+    a few tokens of context (prefix: the prompt's last tokens, for the first ones; a tokenizer may spell
+    a token differently at the start of a text), and a token that ends inside a multi-byte character
+    gets its text with the one that completes it."""
+    prefix = list(prefix or ())[-TEXT_CONTEXT:]
+    tokens = prefix + list(ids)
+    texts, pending = [], len(prefix)  # tokens[pending:] have no text yet
+    for i in range(len(prefix), len(tokens)):
+        lo = max(0, pending - TEXT_CONTEXT)
+        whole = decode(tokens[lo: i + 1])
         if whole.endswith("\ufffd"):
             texts.append("")
             continue
-        texts.append(whole[len(decode(ids[lo:pending])):])
+        texts.append(whole[len(decode(tokens[lo:pending])):])
         pending = i + 1
     return texts
 
@@ -133,8 +142,12 @@ def summarize(steps: list[dict], cost_ratio: Optional[float]) -> dict:
 
     acceptance_rate is accepted / drafted; alpha is accepted / (accepted + rejections), the per-token
     acceptance of the formula (drafts after a rejection are never tested, so they are not counted
-    against it). The prediction is speedup(alpha, k, c) at the trace's mean k, with the optimal k.
+    against it). Both count what the target did, a cut last step included; tokens count what the
+    completion holds. The prediction is speedup(alpha, k, c) at the trace's mean k rounded
+    (predicted_k), with the optimal k.
     """
+    from plugin.speculation_math import optimal_k, speedup
+
     tokens = sum(len(s["emitted"]) for s in steps)
     drafted = sum(s["k"] for s in steps)
     accepted = sum(s["accepted"] for s in steps)
@@ -150,26 +163,28 @@ def summarize(steps: list[dict], cost_ratio: Optional[float]) -> dict:
         "alpha": None if alpha is None else round(alpha, 4),
         "mean_k": round(drafted / drafting_steps, 3) if drafting_steps else 0.0,
         "cost_ratio": None if cost_ratio is None else round(cost_ratio, 3),
-        "predicted_speedup": None, "optimal_k": None, "optimal_speedup": None,
+        "predicted_speedup": None, "predicted_k": None, "optimal_k": None, "optimal_speedup": None,
     }
     if alpha is not None and cost_ratio and drafting_steps:
         k = max(1, round(drafted / drafting_steps))
         best_k, best = optimal_k(min(alpha, 0.999), cost_ratio)
-        figures |= {"predicted_speedup": round(speedup(alpha, k, cost_ratio), 4),
+        figures |= {"predicted_speedup": round(speedup(alpha, k, cost_ratio), 4), "predicted_k": k,
                     "optimal_k": best_k, "optimal_speedup": round(best, 4)}
     return figures
 
 
 def trace_document(trace: dict, completion_tokens: int, decode: Optional[Callable[[list[int]], str]] = None) -> dict:
     """What a response carries under "specserve_trace": the steps cut to the completion, each with its
-    tokens' texts when a decoder is given, and the summary figures.
+    tokens' texts when a decoder is given (ids -> text, special tokens skipped as in the response's
+    text), and the summary figures.
 
-    trace: `SpeculativeWorker.specserve_take_trace`'s reply: {"steps", "truncated", "k_max", "cost_ratio"}.
+    trace: `SpeculativeWorker.specserve_take_trace`'s reply: {"steps", "truncated", "context", "k_max",
+    "cost_ratio"}.
     """
     steps = cut_to_completion(trace["steps"], completion_tokens)
     if decode is not None:
         all_emitted = [t for s in steps for t in s["emitted"]]
-        texts = iter(token_texts(decode, all_emitted))
+        texts = iter(token_texts(decode, all_emitted, trace.get("context")))
         steps = [s | {"emitted_text": [next(texts) for _ in s["emitted"]],
                       "drafted_text": [decode([t]) for t in s["drafted"]]} for s in steps]
     return {"steps": steps, "truncated": trace.get("truncated", False), "k_max": trace.get("k_max"),

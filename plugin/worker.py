@@ -20,7 +20,7 @@ import time
 
 from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
-from plugin.trace import TraceBook, trace_key
+from plugin.trace import TEXT_CONTEXT, TraceBook, trace_key
 from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
 
@@ -92,7 +92,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
         for new in scheduler_output.scheduled_new_reqs:
             params = getattr(new, "sampling_params", None)
             if params is not None and (key := trace_key(params.extra_args, new.req_id)):
-                self.traces.start(new.req_id, key)
+                self.traces.start(new.req_id, key, (new.prompt_token_ids or [])[-TEXT_CONTEXT:])
         if not self.traces.live:
             self._traced_step = None
             return
@@ -112,18 +112,12 @@ class SpeculativeWorker(internals.platform_worker_class()):
 
     def specserve_take_trace(self, key: str) -> dict | None:
         """A traced request's steps, removed from the worker (`plugin.trace`), with what the response's
-        figures need: K_max and the pair's cost ratio c (the target's step over one draft forward, at
-        batch 1, from the step-cost model; None unless the policy is adaptive, which measures them)."""
+        figures need: K_max and the pair's cost ratio c (`SpeculationPolicy.cost_ratio`)."""
         drafter = self._draft_proposer()
         trace = self.traces.take(key)
         if trace is None or drafter is None:
             return trace
-        cost_ratio = None
-        if drafter.policy.mode == "adaptive":
-            costs = drafter.policy.costs(1)
-            draft_forward = costs.per_draft_forward + costs.per_draft_token  # one row drafting one token
-            cost_ratio = float(costs.base / draft_forward) if draft_forward > 0 else None
-        return trace | {"k_max": drafter.k, "cost_ratio": cost_ratio}
+        return trace | {"k_max": drafter.k, "cost_ratio": drafter.policy.cost_ratio()}
 
     def _end_step(self, drafter: DraftProposer | None) -> None:
         """The target's time this step (the step less the proposer's part), for the step-cost model."""

@@ -11,8 +11,6 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from plugin.worker import SpeculativeWorker
-
 K = 4
 
 
@@ -29,6 +27,8 @@ def _step(batch: int) -> tuple[SimpleNamespace, SimpleNamespace]:
 
 def hook_microseconds(batch: int, traced: bool, steps: int = 20_000) -> float:
     """Mean microseconds per step of the worker's two trace hooks."""
+    from plugin.worker import SpeculativeWorker
+
     worker = object.__new__(SpeculativeWorker)  # the hooks need no engine
     scheduler_output, runner_output = _step(batch)
     if traced:

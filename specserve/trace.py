@@ -11,7 +11,7 @@ import json
 import sys
 import uuid
 
-from plugin.trace import TRACE_ARG, trace_document
+TRACE_ARG = "specserve_trace"  # plugin.trace.TRACE_ARG, named here so that the command starts without torch
 
 # ANSI styles per token kind; a step starts with a dim bar so that steps can be told apart.
 STYLES = {"accepted": "32", "rejected": "9;31", "recovered": "33", "bonus": "36", "target": "0"}
@@ -25,6 +25,8 @@ def traced_generate(llm, prompts: list, params) -> list[tuple[object, dict]]:
     per_prompt = [params.clone() for _ in prompts]
     for p, key in zip(per_prompt, keys):
         p.extra_args = (p.extra_args or {}) | {TRACE_ARG: key}
+    from plugin.trace import trace_document
+
     outputs = llm.generate(prompts, per_prompt, use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     results = []
@@ -32,7 +34,8 @@ def traced_generate(llm, prompts: list, params) -> list[tuple[object, dict]]:
         trace = llm.collective_rpc("specserve_take_trace", args=(key,))[0]
         if trace is None:
             raise RuntimeError("the engine kept no trace: is it a speculative engine (plugin.speculative_engine_kwargs)?")
-        document = trace_document(trace, len(output.outputs[0].token_ids), tokenizer.decode)
+        document = trace_document(trace, len(output.outputs[0].token_ids),
+                                  lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         results.append((output, document))
     return results
 

@@ -112,15 +112,23 @@ def test_trace_in_the_response_and_on_the_final_chunk(serve_app, client):
     refused = httpx.post(f"{serve_app}/v1/completions", timeout=30, json={
         "model": SPEC, "prompt": prompt(4), "max_tokens": 4, "n": 2, **TRACED})
     assert refused.status_code == 400 and "n=1" in refused.json()["error"]["message"]
+    several = httpx.post(f"{serve_app}/v1/completions", timeout=30, json={
+        "model": SPEC, "prompt": [prompt(4), prompt(5)], "max_tokens": 4, **TRACED})
+    assert several.status_code == 400 and "one prompt" in several.json()["error"]["message"]
+    off = client.completions.create(model=SPEC, prompt=prompt(4), max_tokens=8, temperature=0,
+                                    extra_body={"vllm_xargs": {"specserve_trace": "False"}})
+    assert "specserve_trace" not in off.model_extra and trace_held(serve_app) == (0, 0)
 
 
 @slow
 def test_trace_of_a_stream_the_client_left_is_freed(serve_app):
-    body = {"model": SPEC, "prompt": prompt(3), "max_tokens": 400, "ignore_eos": True, "stream": True, **TRACED}
+    """The request is aborted, so no final chunk takes its trace: the server takes it as the stream ends."""
+    body = {"model": SPEC, "prompt": prompt(3), "max_tokens": 900, "ignore_eos": True, "stream": True, **TRACED}
     with httpx.stream("POST", f"{serve_app}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
+    assert_aborted(serve_app, SPEC, within_s=30)
     deadline = time.monotonic() + 30
     while trace_held(serve_app) != (0, 0) and time.monotonic() < deadline:
         time.sleep(1)

@@ -84,12 +84,14 @@ def test_race_colours_each_step_and_fills_the_figures(page, output_dir):
     steps = page.locator("#lane-speculative .step")
     assert steps.count() == int(page.inner_text("#fig-steps")) > 1
     kinds = {k: page.locator(f"#lane-speculative .tok.{k}").count() for k in ("accepted", "rejected", "recovered", "bonus", "target")}
-    assert kinds["accepted"] > 0 and kinds["recovered"] + kinds["bonus"] + kinds["target"] == steps.count(), kinds
+    # One recovered, bonus or target-only token per step, except a last step that max tokens cut short.
+    cut = page.locator("#lane-speculative .step[data-cut]").count()
+    assert kinds["accepted"] > 0 and steps.count() - cut <= kinds["recovered"] + kinds["bonus"] + kinds["target"] <= steps.count(), kinds
     assert page.locator("#steps li").count() == steps.count()
     assert "K " in page.locator("#lane-speculative .tok.accepted").first.get_attribute("title")
-    # Greedy: the speculative text (its spans less the rejected drafts) is the baseline's text.
+    # The coloured spans less the rejected drafts read as the streamed text.
     emitted = page.eval_on_selector_all("#lane-speculative .tok:not(.rejected)", "els => els.map(e => e.textContent).join('')")
-    assert emitted == page.eval_on_selector("#lane-baseline .text", "e => e.textContent")
+    assert emitted == page.get_attribute("#lane-speculative", "data-streamed-text")
     for lane in ("speculative", "baseline"):
         assert page.inner_text(f"#lane-{lane} .state").startswith("done")
         assert float(page.inner_text(f"#lane-{lane} .rate")) > 0

@@ -129,3 +129,13 @@ def test_fixed_and_off_modes():
     assert SpeculationPolicy("off", 5, 2).choose(candidates, 2).tolist() == [0, 0]
     with pytest.raises(ValueError, match="k_policy"):
         SpeculationPolicy("greedy", 5, 2)
+
+
+def test_cost_ratio_is_the_target_step_over_one_draft_forward():
+    """The seeds' c from the step-cost model: the target's step (the step without drafts less the draft's
+    own per-step overhead) over one row's draft forward; none for a policy that measures no costs."""
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=2)
+    policy.force_costs({"base": 0.030, "per_draft_forward": 0.0015, "per_draft_token": 0.0005})
+    overhead = policy.draft.coefficients()[0]
+    assert policy.cost_ratio() == pytest.approx((0.030 - overhead) / 0.002)
+    assert SpeculationPolicy("fixed", max_k=4, rows=2).cost_ratio() is None

@@ -14,6 +14,7 @@ def test_trace_key_only_for_requests_that_ask():
     assert trace_key({}, "r1") is None
     assert trace_key({TRACE_ARG: 0}, "r1") is None
     assert trace_key({TRACE_ARG: "false"}, "r1") is None
+    assert trace_key({TRACE_ARG: "False"}, "r1") is None and trace_key({TRACE_ARG: "no"}, "r1") is None
     assert trace_key({TRACE_ARG: 1}, "r1") == "r1"
     assert trace_key({TRACE_ARG: True}, "r1") == "r1"
     assert trace_key({TRACE_ARG: "my-key"}, "r1") == "my-key"
@@ -80,6 +81,18 @@ def test_token_texts_concatenate_to_the_decoded_whole():
     assert token_texts(decode, [1, 2, 3, 4]) == ["Hel", "lo", " wor", "ld"]
 
 
+def test_token_texts_decode_the_first_tokens_after_the_prompt():
+    """A tokenizer that drops a text's leading space (SentencePiece does) spells the completion's first
+    token with its space only after context: the prompt's last tokens."""
+    pieces = {0: "def", 1: " add", 2: "(a"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids).lstrip(" ")
+
+    assert token_texts(decode, [1, 2]) == ["add", "(a"]
+    assert token_texts(decode, [1, 2], prefix=[0]) == [" add", "(a"]
+
+
 def test_token_texts_with_a_split_multibyte_character():
     raw = {1: b"a", 2: "é".encode()[:1], 3: "é".encode()[1:], 4: b"b"}
 
@@ -101,7 +114,7 @@ def test_summary_figures_follow_the_seeds_formula():
     assert s["acceptance_rate"] == pytest.approx(4 / 9, abs=1e-4)
     alpha = 4 / 6  # accepted / (accepted + rejections): untested drafts after a rejection do not count
     assert s["alpha"] == pytest.approx(alpha, abs=1e-4)
-    assert s["predicted_speedup"] == pytest.approx(speedup(alpha, 3, 10.0), abs=1e-3)
+    assert s["predicted_speedup"] == pytest.approx(speedup(alpha, 3, 10.0), abs=1e-3) and s["predicted_k"] == 3
     assert (s["optimal_k"], s["optimal_speedup"]) == (optimal_k(alpha, 10.0)[0], pytest.approx(optimal_k(alpha, 10.0)[1], abs=1e-3))
     without_costs = summarize(steps, cost_ratio=None)
     assert without_costs["predicted_speedup"] is None and without_costs["alpha"] == s["alpha"]
@@ -113,3 +126,22 @@ def test_trace_document_adds_texts_and_summary():
     doc = trace_document(trace, 3, lambda ids: "".join(f"<{i}>" for i in ids))
     assert doc["k_max"] == 4 and doc["summary"]["tokens"] == 3
     assert doc["steps"][1]["emitted_text"] == ["<2>", "<5>"] and doc["steps"][1]["drafted_text"] == ["<2>", "<3>"]
+
+
+def test_trace_arg_name_is_one_value():
+    from specserve.trace import TRACE_ARG as CLI_TRACE_ARG
+
+    assert CLI_TRACE_ARG == TRACE_ARG
+
+
+def test_the_command_line_starts_without_vllm_or_torch():
+    """`specserve --help` (and every subcommand's parser) imports neither: they load when a command runs."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys, json; from specserve.cli import build_parser; build_parser(); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

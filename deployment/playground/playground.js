@@ -51,10 +51,10 @@ function setLive(name, fields) {
 // POST a streaming completion; calls onText(text, tokens, seconds, chunks) as chunks arrive (chunks: those
 // that carried tokens; the engine sends one per step unless the reader falls behind, when it merges
 // them). Resolves to { text, tokens, seconds, trace }; rejects with ApiError carrying the API's message.
-async function streamCompletion(model, request, onText) {
+async function streamCompletion(model, request, onText, signal) {
   const started = performance.now();
   const reply = await fetch("/v1/completions", {
-    method: "POST", headers: headers(),
+    method: "POST", headers: headers(), signal,
     body: JSON.stringify({ ...request, model, stream: true, return_token_ids: true,
                            stream_options: { include_usage: true } }),
   });
@@ -81,7 +81,10 @@ async function streamCompletion(model, request, onText) {
       const data = event.slice(6);
       if (data === "[DONE]") continue;
       const chunk = JSON.parse(data);
-      if (chunk.error) throw new ApiError(chunk.error.code || 500, chunk.error.message);
+      if (chunk.error) {
+        reader.cancel();
+        throw new ApiError(chunk.error.code || 500, chunk.error.message);
+      }
       for (const choice of chunk.choices || []) {
         text += choice.text || "";
         tokens += (choice.token_ids || []).length;
@@ -108,16 +111,18 @@ function showLiveFigures() {
   }
 }
 
-async function runLane(name, model, request, extra) {
+async function runLane(name, model, request, extra, signal) {
   const el = lane(name);
   setLive(name, { state: "streaming", rate: "–", tokens: 0 });
   const out = el.querySelector(".text");
   const result = await streamCompletion(model, { ...request, ...extra }, (text, tokens, seconds, chunks) => {
+    if (signal.aborted) return;
     out.textContent = text;
     setLive(name, { rate: (tokens / seconds).toFixed(1), tokens });
     live[name] = { tokens, seconds, chunks };
     showLiveFigures();
-  });
+  }, signal);
+  el.dataset.streamedText = result.text;  // the text as streamed, before the trace colours it
   live[name] = { tokens: result.tokens, seconds: result.seconds, chunks: live[name] ? live[name].chunks : 0 };
   setLive(name, { state: `done in ${result.seconds.toFixed(2)} s`, rate: (result.tokens / result.seconds).toFixed(1),
                   tokens: result.tokens });
@@ -147,6 +152,7 @@ function renderTrace(trace) {
     const group = document.createElement("span");
     group.className = "step";
     group.dataset.step = i + 1;
+    if (step.cut) group.dataset.cut = "true";
     const accepted = Math.min(step.accepted, texts.length);
     for (let j = 0; j < accepted; j++) group.append(tokenSpan(texts[j], "accepted", title));
     if (!step.cut) {
@@ -179,7 +185,7 @@ function renderFigures(trace, spec, base) {
     ? (spec.tokens / spec.seconds) / (base.tokens / base.seconds) : null;
   setFigure("fig-measured", measured === null ? null : `${measured.toFixed(2)}x`);
   setFigure("fig-c", s.cost_ratio);
-  setFigure("fig-predicted", s.predicted_speedup ? `${s.predicted_speedup.toFixed(2)}x at K ${Math.round(s.mean_k)}` : null);
+  setFigure("fig-predicted", s.predicted_speedup ? `${s.predicted_speedup.toFixed(2)}x at K ${s.predicted_k}` : null);
   setFigure("fig-optimal", s.optimal_k ? `K ${s.optimal_k} (${s.optimal_speedup.toFixed(2)}x)` : null);
 }
 
@@ -200,20 +206,29 @@ async function race(event) {
   }
   renderFigures(null, null, null);
   live.speculative = live.baseline = null;
+  // One controller per race: a lane that fails stops the other, so no stream outlives its race.
+  const controller = new AbortController();
+  const signal = controller.signal;
   try {
     const traced = { vllm_xargs: { specserve_trace: 1 } };
     let spec, base;
     if (config.race === "one_after_the_other") {
-      spec = await runLane("speculative", config.speculative_model, request, traced);
-      base = await runLane("baseline", config.baseline_model, request, {});
+      spec = await runLane("speculative", config.speculative_model, request, traced, signal);
+      base = await runLane("baseline", config.baseline_model, request, {}, signal);
     } else {
-      [spec, base] = await Promise.all([runLane("speculative", config.speculative_model, request, traced),
-                                        runLane("baseline", config.baseline_model, request, {})]);
+      const runs = [runLane("speculative", config.speculative_model, request, traced, signal),
+                    runLane("baseline", config.baseline_model, request, {}, signal)];
+      runs.forEach((run) => run.catch(() => controller.abort()));  // the first failure stops the other lane
+      const lanes = await Promise.allSettled(runs);
+      const failed = lanes.filter((l) => l.status === "rejected").map((l) => l.reason);
+      if (failed.length) throw failed.find((e) => e.name !== "AbortError") || failed[0];
+      [spec, base] = lanes.map((l) => l.value);
     }
     if (spec.trace) renderTrace(spec.trace);
     renderFigures(spec.trace, spec, base);
     document.body.dataset.race = "done";
   } catch (error) {
+    controller.abort();
     if (error.status === 401) showKeyBox("the application refused the key: enter it above");
     showError(error.status ? `Error ${error.status}: ${error.message}` : `Error: ${error.message}`);
     for (const name of ["speculative", "baseline"]) setLive(name, { state: "stopped" });
