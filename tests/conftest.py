@@ -76,9 +76,11 @@ def output_dir():
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def browser():
-    """Headless Chromium (Debian's package, which ./scripts/setup.sh installs) driven by Playwright."""
+    """Headless Chromium (Debian's package, which ./scripts/setup.sh installs) driven by Playwright, for
+    one test: Playwright's sync API runs an event loop in this thread while it is open, which would
+    stop later tests from calling asyncio.run."""
     import shutil
 
     from playwright.sync_api import sync_playwright
