@@ -2,10 +2,16 @@
 it pushed back: replies by status, when each status arrived (percentiles, seconds from the burst's
 start), and how long the accepted streams took to finish. For sizing `max_ongoing_requests` and
 `max_queued_requests`: the excess should get 429 with Retry-After at once, the accepted ones finish
-within the clients' patience."""
+within the clients' patience.
+
+One Python client holding hundreds of connections on a busy machine is slow to read its own replies, so
+the burst's timings say as much about the client as about the server. A probe in a process of its own
+(one connection, one short request every half second while the burst runs) measures how fast the
+server itself answers during the burst."""
 
 import asyncio
 import json
+import multiprocessing
 import time
 from collections import Counter
 
@@ -38,13 +44,56 @@ async def burst(url: str, n: int, body: dict, patience_s: float = 120) -> list[d
         return await asyncio.gather(*(one(client, start) for _ in range(n)))
 
 
+def probe(url: str, body: dict, headers: dict, start_after_s: float, every_s: float, count: int, results) -> None:
+    """Short requests on one connection, sequentially, after start_after_s: per reply its status, the
+    seconds to it and its text (for `pushed_back_by`); put on the results queue."""
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+        time.sleep(start_after_s)
+        replies = []
+        for _ in range(count):
+            began = time.monotonic()
+            try:
+                reply = client.post("/v1/completions", json=body)
+                replies.append({"status": reply.status_code, "seconds": time.monotonic() - began, "text": reply.text[:500]})
+            except httpx.HTTPError as exc:
+                replies.append({"status": 0, "seconds": time.monotonic() - began, "text": str(exc)})
+            time.sleep(every_s)
+    results.put(replies)
+
+
+def probe_summary(replies: list[dict]) -> dict:
+    result = {"requests": len(replies), "by_status": dict(Counter(r["status"] for r in replies))}
+    for status in (429, 503):
+        for source in ("ingress", "proxy"):
+            seconds = [r["seconds"] for r in replies if r["status"] == status and pushed_back_by(r) == source]
+            if seconds:
+                result[f"{status} from the {source}"] = {"replies": len(seconds), "p50_s": percentile(seconds, 50),
+                                                          "max_s": max(seconds)}
+    return result
+
+
+def pushed_back_by(reply: dict) -> str:
+    """Who answered a 429/503: the ingress (the model's queue was full, `deployment.admission.overloaded`)
+    or Serve's HTTP proxy (the ingress's own queue was full), from the reply's message."""
+    try:
+        message = json.loads(reply["text"])["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = reply["text"]
+    return "ingress" if "is at capacity" in message else "proxy"
+
+
 def summary(replies: list[dict]) -> dict:
     by_status = Counter(r["status"] for r in replies)
     result = {"requests": len(replies), "by_status": dict(by_status)}
-    for status in by_status:
-        group = [r for r in replies if r["status"] == status]
+    groups = {status: [r for r in replies if r["status"] == status] for status in by_status}
+    for status in (429, 503):
+        for source in ("ingress", "proxy"):
+            group = [r for r in groups.get(status, []) if pushed_back_by(r) == source]
+            if group:
+                groups[f"{status} from the {source}"] = group
+    for status, group in groups.items():
         arrived = [r["status_s"] for r in group if r["status_s"] is not None]
-        result[str(status)] = {"status_p50_s": percentile(arrived, 50), "status_p95_s": percentile(arrived, 95),
+        result[str(status)] = {"replies": len(group), "status_p50_s": percentile(arrived, 50), "status_p95_s": percentile(arrived, 95),
                                "status_max_s": max(arrived, default=0.0),
                                "end_max_s": max(r["end_s"] for r in group),
                                "retry_after": sorted({r["headers"].get("retry-after") for r in group} - {None})}
@@ -54,15 +103,26 @@ def summary(replies: list[dict]) -> dict:
 def main(args) -> int:
     prompt = load_prompts()[0]["prompt"]
     body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True}
+    probes = multiprocessing.get_context("spawn").Queue()
+    prober = multiprocessing.get_context("spawn").Process(target=probe, args=(
+        args.host, {"model": args.model, "prompt": prompt, "max_tokens": 4}, auth_headers(), 1.0, 0.5, args.probes, probes))
+    prober.start()
     replies = asyncio.run(burst(args.host, args.requests, body, args.patience))
     result = summary(replies)
+    result["probe"] = probe_summary(probes.get(timeout=600)) if args.probes else None
+    prober.join(timeout=60)
     print(json.dumps(result, indent=1))
     print(f"{args.requests} simultaneous {args.max_tokens}-token streams to {args.model}:")
-    for status, count in sorted(result["by_status"].items()):
-        s = result[str(status)]
-        print(f"  {status}: {count} replies, status line after P50 {s['status_p50_s']:.2f} s / P95 "
+    for status in [str(k) for k in sorted(result["by_status"])] + sorted(k for k in result if " from the " in k):
+        s = result[status]
+        print(f"  {status}: {s['replies']} replies, status line after P50 {s['status_p50_s']:.2f} s / P95 "
               f"{s['status_p95_s']:.2f} s / max {s['status_max_s']:.2f} s, last one done at {s['end_max_s']:.1f} s"
               + (f", Retry-After {s['retry_after']}" if s["retry_after"] else ""))
+    if result["probe"]:
+        p = result["probe"]
+        print(f"probe during the burst ({p['requests']} requests, one at a time, own process): {p['by_status']}")
+        for key in sorted(k for k in p if " from the " in k):
+            print(f"  {key}: {p[key]['replies']} replies in P50 {p[key]['p50_s']:.3f} s / max {p[key]['max_s']:.3f} s")
     return 0
 
 
@@ -72,3 +132,4 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--patience", type=float, default=120, help="each client's timeout, seconds")
+    p.add_argument("--probes", type=int, default=10, help="short requests a separate process sends during the burst (0: none)")

@@ -45,13 +45,17 @@ def test_markdown_names_every_figure():
 
 
 def test_burst_summary_by_status():
-    replies = [{"status": 200, "headers": {}, "status_s": 5.0, "end_s": 9.0},
-               {"status": 429, "headers": {"retry-after": "2"}, "status_s": 0.5, "end_s": 0.5},
-               {"status": 429, "headers": {"retry-after": "2"}, "status_s": 1.5, "end_s": 1.5}]
+    ingress = '{"error": {"message": "Model m is at capacity: every replica is busy and its queue is full."}}'
+    proxy = '{"error": {"message": "Request dropped due to backpressure (num_queued_requests=16, max_queued_requests=16)."}}'
+    replies = [{"status": 200, "headers": {}, "status_s": 5.0, "end_s": 9.0, "text": "data: [DONE]"},
+               {"status": 429, "headers": {"retry-after": "2"}, "status_s": 0.5, "end_s": 0.5, "text": proxy},
+               {"status": 429, "headers": {"retry-after": "2"}, "status_s": 1.5, "end_s": 1.5, "text": ingress}]
     result = summary(replies)
     assert result["by_status"] == {200: 1, 429: 2}
     assert result["429"]["status_max_s"] == 1.5 and result["429"]["retry_after"] == ["2"]
     assert result["200"]["end_max_s"] == 9.0
+    assert result["429 from the proxy"]["replies"] == 1 and result["429 from the proxy"]["status_max_s"] == 0.5
+    assert result["429 from the ingress"]["replies"] == 1 and result["429 from the ingress"]["status_max_s"] == 1.5
 
 
 def test_replica_process_titles_idle_and_busy():
@@ -68,3 +72,16 @@ def test_memory_samples_name_the_engine_share():
     stats = {"s": {"enabled": True, "replica_memory_bytes": 30, "engine_memory_bytes": 20},
              "b": {"enabled": False, "replica_memory_bytes": 25, "engine_memory_bytes": 15}}
     assert memory_sample(stats, 12.34) == {"t": 12.3, "s": 30, "s engine": 20, "b": 25, "b engine": 15}
+
+
+def test_burst_probe_summary_by_source():
+    from specserve.burst import probe_summary
+
+    ingress = '{"error": {"message": "Model m is at capacity: every replica is busy and its queue is full."}}'
+    proxy = '{"error": {"message": "Request dropped due to backpressure."}}'
+    result = probe_summary([{"status": 429, "seconds": 0.01, "text": proxy},
+                            {"status": 429, "seconds": 0.3, "text": ingress},
+                            {"status": 200, "seconds": 2.0, "text": "{}"}])
+    assert result["by_status"] == {429: 2, 200: 1}
+    assert result["429 from the proxy"] == {"replies": 1, "p50_s": 0.01, "max_s": 0.01}
+    assert result["429 from the ingress"]["max_s"] == 0.3
