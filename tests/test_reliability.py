@@ -137,9 +137,20 @@ def test_fault_injected_draft_serves_a_locust_run_without_failures_and_stays_exa
         assert texts[0] == texts[1]
 
 
+def wait_settled(app, timeout_s: float = 180) -> None:
+    """Until the speculative model runs exactly one replica, none starting or stopping: the load of an
+    earlier test may have scaled it out (configs/autoscaling.yaml), and a replica still starting or
+    stopping would share the cores with what a test measures."""
+    deadline = time.monotonic() + timeout_s
+    while (replicas := get(app, "/v1/specserve/replicas").json()[SPEC]) != {"RUNNING": 1}:
+        assert time.monotonic() < deadline, replicas
+        time.sleep(2)
+
+
 def test_engine_death_under_load_is_recovered_without_disturbing_the_baseline(app, tmp_path):
     from specserve.soak import engine_processes, kill_engine, recovery_timeline
 
+    wait_settled(app)
     run = locust(app, tmp_path / "death", 100, 2, "SpeculativeUser", "BaselineUser")
     time.sleep(15)
     (old,) = engine_processes(SPEC)
@@ -161,12 +172,7 @@ def test_scale_out_under_load_and_back_in_without_failures(app, tmp_path):
     def running():
         return get(app, "/v1/specserve/replicas").json()[SPEC].get("RUNNING", 0)
 
-    # Settled first: a replica still starting or stopping after an earlier test (a replaced engine, an
-    # upscale that load triggered) would share the cores with the one this test waits for.
-    deadline = time.monotonic() + 180
-    while get(app, "/v1/specserve/replicas").json()[SPEC] != {"RUNNING": 1}:
-        assert time.monotonic() < deadline, get(app, "/v1/specserve/replicas").json()
-        time.sleep(2)
+    wait_settled(app)  # after the engine-death test: its replacement replica, maybe an upscale
     # A replica starts in 30-60 s here, slower under load: the load lasts long enough for that.
     run = locust(app, tmp_path / "scale", 150, 8, "SpeculativeUser")
     deadline = time.monotonic() + 150
