@@ -135,8 +135,11 @@ class SpecServeLLMServer(LLMServer):
         try:
             async for item in stream:
                 if isinstance(item, list):
-                    item = [await self._chunk_with_trace(line, key) if _is_usage_chunk(line) else line for line in item]
-                    attached = attached or any(TRACE_ARG in line for line in item if isinstance(line, str))
+                    for i, line in enumerate(item):
+                        if (chunk := _usage_chunk(line)) is not None:
+                            chunk[TRACE_ARG] = await self.trace(key, chunk["usage"]["completion_tokens"])
+                            item[i] = f"data: {json.dumps(chunk)}\n\n"
+                            attached = True
                 elif getattr(item, "usage", None) is not None:
                     setattr(item, TRACE_ARG, await self.trace(key, item.usage.completion_tokens))
                     attached = True
@@ -146,11 +149,6 @@ class SpecServeLLMServer(LLMServer):
                 task = asyncio.get_running_loop().create_task(self.collective_rpc("specserve_take_trace", args=(key,)))
                 _background.add(task)
                 task.add_done_callback(_background.discard)
-
-    async def _chunk_with_trace(self, line: str, key: str) -> str:
-        chunk = json.loads(line[len("data: "):])
-        chunk[TRACE_ARG] = await self.trace(key, chunk["usage"]["completion_tokens"])
-        return f"data: {json.dumps(chunk)}\n\n"
 
     async def trace(self, key: str, completion_tokens: int) -> Optional[dict]:
         """The request's trace document (`plugin.trace.trace_document`), taken from the engine; None
@@ -210,12 +208,13 @@ def _several_prompts(prompt) -> bool:
     return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
 
 
-def _is_usage_chunk(line) -> bool:
-    """The final chunk of a stream: no choices, and the usage (which the engine always adds)."""
+def _usage_chunk(line) -> Optional[dict]:
+    """The final chunk of a stream, parsed (no choices, and the usage, which the engine always adds);
+    None for any other line."""
     if not isinstance(line, str) or not line.startswith("data: {") or '"usage"' not in line:
-        return False
+        return None
     chunk = json.loads(line[len("data: "):])
-    return not chunk.get("choices") and chunk.get("usage") is not None
+    return chunk if not chunk.get("choices") and chunk.get("usage") is not None else None
 
 
 def memory_bytes() -> dict:

@@ -52,55 +52,47 @@ def step_record(drafted: list[int], emitted: list[int]) -> dict:
 
 
 class TraceBook:
-    """The worker's traces: live requests by engine request id, steps by trace key."""
+    """The worker's traces: live requests by engine request id, and per trace key its record (steps,
+    whether MAX_STEPS cut it, the prompt's last tokens) until taken."""
 
     def __init__(self, max_steps: int = MAX_STEPS, max_unclaimed: int = MAX_UNCLAIMED):
         self.max_steps, self.max_unclaimed = max_steps, max_unclaimed
         self.live: dict[str, str] = {}  # request id -> key, while the request runs
-        self.steps: dict[str, list[dict]] = {}  # key -> steps, until taken
-        self.truncated: set[str] = set()
-        self.context: dict[str, list[int]] = {}  # key -> the prompt's last tokens
+        self.traces: dict[str, dict] = {}  # key -> {"steps", "truncated", "context"}, until taken
         self.unclaimed: OrderedDict[str, None] = OrderedDict()  # keys of finished, untaken traces, oldest first
 
     def start(self, req_id: str, key: str, context: Optional[list[int]] = None) -> None:
         self.live[req_id] = key
-        self.steps[key] = []
-        self.context[key] = list(context or ())
+        self.traces[key] = {"steps": [], "truncated": False, "context": list(context or ())}
 
     def record(self, req_id: str, drafted: list[int], emitted: list[int]) -> None:
-        steps = self.steps.get(self.live.get(req_id, ""))
-        if steps is None or not emitted:  # taken already, or a prompt chunk that emitted nothing
+        trace = self.traces.get(self.live.get(req_id, ""))
+        if trace is None or not emitted:  # taken already, or a prompt chunk that emitted nothing
             return
-        if len(steps) >= self.max_steps:
-            self.truncated.add(self.live[req_id])
+        if len(trace["steps"]) >= self.max_steps:
+            trace["truncated"] = True
             return
-        steps.append(step_record(drafted, emitted))
+        trace["steps"].append(step_record(drafted, emitted))
 
     def finish(self, req_ids) -> None:
         for req_id in req_ids:
             key = self.live.pop(req_id, None)
-            if key in self.steps:
+            if key in self.traces:
                 self.unclaimed[key] = None
         while len(self.unclaimed) > self.max_unclaimed:
             self._drop(next(iter(self.unclaimed)))
 
     def take(self, key: str) -> Optional[dict]:
-        """The trace's steps (and whether MAX_STEPS cut it), removed from the book; None if unknown."""
-        if key not in self.steps:
-            return None
-        trace = {"steps": self.steps[key], "truncated": key in self.truncated, "context": self.context.get(key, [])}
-        self._drop(key)
-        return trace
+        """The trace's record (steps, truncated, context), removed from the book; None if unknown."""
+        return self._drop(key)
 
-    def _drop(self, key: str) -> None:
-        self.steps.pop(key, None)
-        self.truncated.discard(key)
-        self.context.pop(key, None)
+    def _drop(self, key: str) -> Optional[dict]:
         self.unclaimed.pop(key, None)
+        return self.traces.pop(key, None)
 
     def held(self) -> dict:
-        return {"trace_live_requests": len(self.live), "trace_held": len(self.steps),
-                "trace_held_steps": sum(map(len, self.steps.values()))}
+        return {"trace_live_requests": len(self.live), "trace_held": len(self.traces),
+                "trace_held_steps": sum(len(t["steps"]) for t in self.traces.values())}
 
 
 def cut_to_completion(steps: list[dict], completion_tokens: int) -> list[dict]:

@@ -63,12 +63,9 @@ def probe(url: str, body: dict, headers: dict, start_after_s: float, every_s: fl
 
 def probe_summary(replies: list[dict]) -> dict:
     result = {"requests": len(replies), "by_status": dict(Counter(r["status"] for r in replies))}
-    for status in (429, 503):
-        for source in ("ingress", "proxy"):
-            seconds = [r["seconds"] for r in replies if r["status"] == status and pushed_back_by(r) == source]
-            if seconds:
-                result[f"{status} from the {source}"] = {"replies": len(seconds), "p50_s": percentile(seconds, 50),
-                                                          "max_s": max(seconds)}
+    for name, group in pushed_back_groups(replies).items():
+        seconds = [r["seconds"] for r in group]
+        result[name] = {"replies": len(seconds), "p50_s": percentile(seconds, 50), "max_s": max(seconds)}
     return result
 
 
@@ -82,15 +79,20 @@ def pushed_back_by(reply: dict) -> str:
     return "ingress" if "is at capacity" in message else "proxy"
 
 
+def pushed_back_groups(replies: list[dict]) -> dict[str, list[dict]]:
+    """The 429 and 503 replies by who answered: {"429 from the proxy": [...], "429 from the ingress": [...]}."""
+    groups: dict[str, list[dict]] = {}
+    for reply in replies:
+        if reply["status"] in (429, 503):
+            groups.setdefault(f"{reply['status']} from the {pushed_back_by(reply)}", []).append(reply)
+    return groups
+
+
 def summary(replies: list[dict]) -> dict:
     by_status = Counter(r["status"] for r in replies)
     result = {"requests": len(replies), "by_status": dict(by_status)}
     groups = {status: [r for r in replies if r["status"] == status] for status in by_status}
-    for status in (429, 503):
-        for source in ("ingress", "proxy"):
-            group = [r for r in groups.get(status, []) if pushed_back_by(r) == source]
-            if group:
-                groups[f"{status} from the {source}"] = group
+    groups |= pushed_back_groups(replies)
     for status, group in groups.items():
         arrived = [r["status_s"] for r in group if r["status_s"] is not None]
         result[str(status)] = {"replies": len(group), "status_p50_s": percentile(arrived, 50), "status_p95_s": percentile(arrived, 95),
@@ -103,14 +105,18 @@ def summary(replies: list[dict]) -> dict:
 def main(args) -> int:
     prompt = load_prompts()[0]["prompt"]
     body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True}
-    probes = multiprocessing.get_context("spawn").Queue()
-    prober = multiprocessing.get_context("spawn").Process(target=probe, args=(
-        args.host, {"model": args.model, "prompt": prompt, "max_tokens": 4}, auth_headers(), 1.0, 0.5, args.probes, probes))
-    prober.start()
+    spawn = multiprocessing.get_context("spawn")
+    probes, prober = spawn.Queue(), None
+    if args.probes:
+        prober = spawn.Process(target=probe, args=(
+            args.host, {"model": args.model, "prompt": prompt, "max_tokens": 4}, auth_headers(), 1.0, 0.5, args.probes, probes))
+        prober.start()
     replies = asyncio.run(burst(args.host, args.requests, body, args.patience))
     result = summary(replies)
-    result["probe"] = probe_summary(probes.get(timeout=600)) if args.probes else None
-    prober.join(timeout=60)
+    result["probe"] = None
+    if prober is not None:
+        result["probe"] = probe_summary(probes.get(timeout=600))
+        prober.join(timeout=60)
     print(json.dumps(result, indent=1))
     print(f"{args.requests} simultaneous {args.max_tokens}-token streams to {args.model}:")
     for status in [str(k) for k in sorted(result["by_status"])] + sorted(k for k in result if " from the " in k):

@@ -128,12 +128,6 @@ def test_trace_document_adds_texts_and_summary():
     assert doc["steps"][1]["emitted_text"] == ["<2>", "<5>"] and doc["steps"][1]["drafted_text"] == ["<2>", "<3>"]
 
 
-def test_trace_arg_name_is_one_value():
-    from specserve.trace import TRACE_ARG as CLI_TRACE_ARG
-
-    assert CLI_TRACE_ARG == TRACE_ARG
-
-
 def test_the_command_line_starts_without_vllm_or_torch():
     """`specserve --help` (and every subcommand's parser) imports neither: they load when a command runs."""
     import json
