@@ -100,3 +100,75 @@ def time_target_forward(runner, num_tokens: int, repeats: int = 3) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
     return float(np.median(times[1:]))
+
+
+def hook_runner_steps(runner, execute_model, sample_tokens) -> None:
+    """Route the runner's two step calls through the worker's hooks, each given the original bound method
+    first. Hooks on the worker's own methods would miss steps: the Ray executor's compiled graph calls
+    `worker.model_runner.execute_model` and `.sample_tokens` directly (`v1/executor/ray_utils.py`)."""
+    run_execute, run_sample = runner.execute_model, runner.sample_tokens
+    runner.execute_model = lambda *args, **kwargs: execute_model(run_execute, *args, **kwargs)
+    runner.sample_tokens = lambda *args, **kwargs: sample_tokens(run_sample, *args, **kwargs)
+
+
+# The step's draft tokens, carried to the engine core on the ModelRunnerOutput that returns its sampled
+# tokens. Without speculation's async scheduling (off on CPU, and for every custom_class proposer) the
+# engine core asks the worker for them in a round trip of its own after every step
+# (`EngineCore.post_step` -> `take_draft_token_ids`): a third message per step where a plain engine sends
+# two, which made a step with no drafts at all cost 6-12% more than a plain one here. No seam returns
+# them with the output, so the worker attaches them and the executor answers the engine core from it.
+DRAFTS_ATTR = "specserve_draft_token_ids"
+_NOT_CARRIED = object()
+
+
+def attach_draft_token_ids(runner, output):
+    """The runner's drafts for the next step, on this step's sampled-token output (worker side)."""
+    from copy import copy
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    if type(output) is not ModelRunnerOutput:  # None, or an async output that is not sent as is
+        return output
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:  # a shared constant: carry on a copy
+        output = copy(output)
+    setattr(output, DRAFTS_ATTR, runner.take_draft_token_ids())
+    return output
+
+
+def carry_draft_token_ids_to_engine_core() -> None:
+    """Let the executors that send each step to a worker process (multiprocessing and Ray) answer the
+    engine core's `take_draft_token_ids` from the drafts that came back with `sample_tokens`. A step whose
+    output carried none (another speculator, a plain engine, a step without sampling) still asks the
+    worker, so engines without this plugin's worker behave as before. Idempotent."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    executors = [MultiprocExecutor]
+    try:
+        from vllm.v1.executor.ray_executor import RayDistributedExecutor
+
+        executors.append(RayDistributedExecutor)
+    except ImportError:  # Ray is optional for vLLM
+        pass
+    for cls in executors:
+        if not getattr(cls, "_specserve_carries_drafts", False):
+            _carry_drafts(cls)
+
+
+def _carry_drafts(cls) -> None:
+    execute_model, sample_tokens, take_draft_token_ids = cls.execute_model, cls.sample_tokens, cls.take_draft_token_ids
+
+    def execute_model_(self, *args, **kwargs):
+        self._specserve_drafts = _NOT_CARRIED  # drafts belong to the step that returned them
+        return execute_model(self, *args, **kwargs)
+
+    def sample_tokens_(self, *args, **kwargs):
+        output = sample_tokens(self, *args, **kwargs)
+        self._specserve_drafts = getattr(output, DRAFTS_ATTR, _NOT_CARRIED)  # a Future (non_block) carries none
+        return output
+
+    def take_draft_token_ids_(self):
+        drafts, self._specserve_drafts = getattr(self, "_specserve_drafts", _NOT_CARRIED), _NOT_CARRIED
+        return take_draft_token_ids(self) if drafts is _NOT_CARRIED else drafts
+
+    cls.execute_model, cls.sample_tokens, cls.take_draft_token_ids = execute_model_, sample_tokens_, take_draft_token_ids_
+    cls._specserve_carries_drafts = True

@@ -4,6 +4,9 @@ Set as `worker_cls` by `plugin.speculative_engine_kwargs`. After the model runne
 target (and our `DraftProposer` its draft), it replaces the runner's rejection sampler with
 `ExactRejectionSampler` and gives the proposer the runner, whose batch rows, sampling parameters and
 draft-probability slot it uses. Finished requests' draft state is freed as the scheduler reports them.
+The drafts for the next step go back to the engine core on the step's own output, so the engine core
+needs no round trip of its own to fetch them (`internals.attach_draft_token_ids`, and the executor side
+in `plugin.engine_plugin`).
 
 For the adaptive speculation policy it also times every decode step: the target's share (the step,
 from execute_model to the end of sample_tokens, less the proposer's own time) against the requests,
@@ -43,6 +46,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
         internals.install_rejection_sampler(self.model_runner, ExactRejectionSampler)
         if drafter := self._draft_proposer():
             drafter.attach(self.model_runner)
+            internals.hook_runner_steps(self.model_runner, self._execute_model, self._sample_tokens)
         return result
 
     def _draft_proposer(self) -> DraftProposer | None:
@@ -62,30 +66,36 @@ class SpeculativeWorker(internals.platform_worker_class()):
                 logger.warning("specserve: target calibration failed (%s); the step-cost model starts from its prior", exc)
         return result
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
+    # The runner's step calls, hooked at load (`internals.hook_runner_steps`) so that every executor's
+    # steps pass here, the Ray executor's included; `run` is the runner's own method.
+    def _execute_model(self, run, scheduler_output, *args, **kwargs):
         drafter = self._draft_proposer()
-        if drafter and scheduler_output.finished_req_ids:
+        if scheduler_output.finished_req_ids:
             drafter.release(scheduler_output.finished_req_ids)
             self.traces.finish(scheduler_output.finished_req_ids)
-        if drafter:
-            self._begin_trace_step(scheduler_output)
-        if drafter and drafter.policy.mode == "adaptive" and scheduler_output.total_num_scheduled_tokens:
+        self._begin_trace_step(scheduler_output)
+        if drafter.policy.mode == "adaptive" and scheduler_output.total_num_scheduled_tokens:
             drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
             requests, tokens = len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
             decode_only = tokens == requests + drafts  # a step with a prompt in it says little about decoding
             self._step_started = (time.perf_counter(), requests, tokens, drafts > 0) if decode_only else None
             drafter.last_step_seconds = 0.0
-        output = super().execute_model(scheduler_output, *args, **kwargs)
+        output = run(scheduler_output, *args, **kwargs)
         if output is not None:
             self._end_step(drafter)
             self._record_trace_step(output)
         return output
 
-    def sample_tokens(self, *args, **kwargs):
-        output = super().sample_tokens(*args, **kwargs)
+    def _sample_tokens(self, run, *args, **kwargs):
+        output = run(*args, **kwargs)
         self._end_step(self._draft_proposer())
         self._record_trace_step(output)
-        return output
+        return internals.attach_draft_token_ids(self.model_runner, output)
+
+    def take_draft_token_ids(self):
+        """The engine core's own request for the drafts: only where they did not come with the output."""
+        self._draft_token_requests = getattr(self, "_draft_token_requests", 0) + 1
+        return super().take_draft_token_ids()
 
     def _begin_trace_step(self, scheduler_output) -> None:
         """Note the traced requests in this step and the drafts each one has verified."""
@@ -152,4 +162,5 @@ class SpeculativeWorker(internals.platform_worker_class()):
             "profile_seconds": dict(drafter.profile.seconds),
             **drafter.policy.summary(),
             **self.traces.held(),
+            "draft_token_round_trips": getattr(self, "_draft_token_requests", 0),
         }

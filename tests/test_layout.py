@@ -20,8 +20,9 @@ def modules_loaded_by(*imports: str) -> set[str]:
 
 
 def test_engine_plugin_loads_no_serving_or_tooling_module():
-    loaded = modules_loaded_by("plugin.proposer", "plugin.worker", "plugin.vllm_rejection_sampler")
-    assert {"plugin.proposer", "plugin.worker", "plugin.vllm_rejection_sampler"} <= loaded
+    engine = ("plugin.proposer", "plugin.worker", "plugin.vllm_rejection_sampler", "plugin.engine_plugin")
+    loaded = modules_loaded_by(*engine)
+    assert set(engine) <= loaded
     assert not {m for m in loaded if not m.startswith("plugin")}, loaded
 
 
