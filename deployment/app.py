@@ -17,6 +17,7 @@ from deployment.defaults import (
     DEMO_TARGET,
     REPO_ROOT,
     SPECULATIVE_MODEL_ID,
+    cpu_engine_env,
 )
 from plugin.config import speculative_engine_kwargs
 
@@ -46,6 +47,10 @@ class SpecServeArgs(BaseModel):
     deployment_config: dict[str, Any] = Field(default_factory=dict,
                                               description="Ray Serve options per model: autoscaling_config, "
                                                           "max_ongoing_requests, ray_actor_options")
+    engine_env: Optional[dict[str, str]] = Field(
+        None, description="environment variables of the model replicas and their vLLM engines; default: "
+                          "deployment.defaults.CPU_ENGINE_ENV on cpu (oneDNN's primitive cache bounded), "
+                          "none on gpu")
     placement_bundles: Optional[list[dict[str, float]]] = Field(
         None, description="resources of each replica's engine; default 1 CPU (cpu) or 1 GPU (gpu)")
     ingress_deployment_config: dict[str, Any] = Field(default_factory=dict)
@@ -104,6 +109,10 @@ def llm_configs(args: SpecServeArgs) -> list:
         common["accelerator_type"] = args.accelerator_type
     if args.placement_bundles:
         common["placement_group_config"] = {"bundles": args.placement_bundles}
+    env = cpu_engine_env() if args.engine_env is None and args.accelerator == "cpu" else args.engine_env
+    if env:  # Serve starts the replica with it; vLLM's engine processes inherit it from the replica
+        # An LLMConfig's runtime_env replaces the application's env_vars for its replicas: keep those.
+        common["runtime_env"] = {"env_vars": application_env_vars() | env}
 
     # Streaming responses end with a usage chunk, which carries the speculation summary.
     engine = args.engine_kwargs | {"enable_force_include_usage": True}
@@ -117,6 +126,15 @@ def llm_configs(args: SpecServeArgs) -> list:
     models |= {model_id: speculative(options) for model_id, options in args.speculative_variants.items()}
     return [LLMConfig(model_loading_config={"model_id": model_id, "model_source": args.target_model},
                       engine_kwargs=kwargs, **common) for model_id, kwargs in models.items()]
+
+
+def application_env_vars() -> dict[str, str]:
+    """The env_vars of the application's runtime_env, where the builder runs inside Ray (serve run)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    return dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
 
 
 def api_key_sha256(args: SpecServeArgs) -> Optional[str]:

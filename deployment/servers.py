@@ -24,6 +24,7 @@ from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionReq
 
 from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIHTTPException, engine_client
 from deployment.admission import api_key_check, engine_restarting, overloaded
+from deployment.defaults import CPU_ENGINE_ENV
 from deployment.playground import PlaygroundRoutes
 from plugin.trace import TRACE_ARG, trace_document, wants_trace
 
@@ -219,7 +220,9 @@ def _usage_chunk(line) -> Optional[dict]:
 
 def memory_bytes() -> dict:
     """Resident memory of this replica's process and of the processes under it (the vLLM engine core
-    and its worker): {"replica_memory_bytes": both together, "engine_memory_bytes": those under it}."""
+    and its worker): {"replica_memory_bytes": both together, "engine_memory_bytes": those under it},
+    and the engine environment it runs with (`deployment.defaults.CPU_ENGINE_ENV`'s variables as the
+    engine processes hold them: {"engine_env": {name: value, or None where unset}})."""
     import psutil
 
     def rss(process) -> int:
@@ -228,9 +231,18 @@ def memory_bytes() -> dict:
         except psutil.Error:  # a child that ended meanwhile
             return 0
 
+    def environ(process) -> dict:
+        try:
+            return process.environ()
+        except psutil.Error:
+            return {}
+
     me = psutil.Process(os.getpid())
-    engine = sum(rss(child) for child in me.children(recursive=True))
-    return {"replica_memory_bytes": rss(me) + engine, "engine_memory_bytes": engine}
+    children = me.children(recursive=True)
+    engine = sum(rss(child) for child in children)
+    env = environ(children[0]) if children else {}  # the engine's processes all inherit the replica's
+    return {"replica_memory_bytes": rss(me) + engine, "engine_memory_bytes": engine,
+            "engine_env": {name: env.get(name) for name in CPU_ENGINE_ENV}}
 
 
 PUBLISH_INTERVAL_S = 10.0

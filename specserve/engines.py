@@ -4,7 +4,7 @@ settings (`deployment.defaults`) with the speculator switched on or off."""
 import inspect
 from typing import Any
 
-from deployment.defaults import DEMO_DRAFT, DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS, DEMO_TARGET
+from deployment.defaults import DEMO_DRAFT, DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS, DEMO_TARGET, cpu_engine_env
 from plugin.config import speculative_engine_kwargs
 
 # Every keyword option of speculative_engine_kwargs goes to it, never to vllm.LLM.
@@ -25,9 +25,21 @@ def engine_kwargs(speculative: bool, num_speculative_tokens: int = DEMO_NUM_SPEC
     return kwargs | overrides
 
 
+def use_engine_env() -> None:
+    """On CPU, the environment the served engines get (`deployment.defaults.CPU_ENGINE_ENV`), for the
+    engine processes this process starts next."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.update(cpu_engine_env())
+
+
 def build_llm(speculative: bool, **kwargs):
     from vllm import LLM
 
+    use_engine_env()
     return LLM(**engine_kwargs(speculative, **kwargs))
 
 

@@ -168,9 +168,10 @@ def run_engine(kwargs: dict, greedy_prompts: list[str], greedy_tokens: int, dist
     from vllm import LLM, SamplingParams
 
     from specserve.demo.measure import decode_step_ms
-    from specserve.engines import shutdown_llm
+    from specserve.engines import shutdown_llm, use_engine_env
 
     run = EngineRun()
+    use_engine_env()
     llm = LLM(seed=0, **kwargs)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=greedy_tokens, ignore_eos=True, logprobs=2 if plain else None)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from deployment.defaults import BASELINE_MODEL_ID as BASELINE
-from deployment.defaults import DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS, REPO_ROOT
+from deployment.defaults import CPU_ENGINE_ENV, DEMO_ENGINE_KWARGS, DEMO_NUM_SPECULATIVE_TOKENS, REPO_ROOT
 from deployment.defaults import SPECULATIVE_MODEL_ID as SPEC
 from loadtest import load_prompts
 
@@ -161,9 +161,11 @@ def test_speculation_counters_on_the_stats_route(serve_app, client):
     assert 0 < spec["steps_drafted"] <= spec["steps"]
     assert spec["models"]["draft"].endswith("draft")
     assert stats[BASELINE]["enabled"] is False
-    # Each replica's resident memory, its engine process included (a demo engine holds over 1 GB).
+    # Each replica's resident memory, its engine process included (a demo engine holds over 1 GB), and
+    # the CPU engine environment (oneDNN's bounded primitive cache) as vLLM's processes hold it.
     for model in (spec, stats[BASELINE]):
         assert model["replica_memory_bytes"] > model["engine_memory_bytes"] > 2**30
+        assert model["engine_env"] == CPU_ENGINE_ENV
 
 
 @slow
@@ -318,6 +320,7 @@ def test_gpu_profile_builds_without_a_gpu(local_ray, monkeypatch):
     assert spec["speculative_config"]["method"] == "custom_class"
     assert spec["additional_config"]["specserve"]["draft_model"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert configs[0].accelerator_type == "H100"
+    assert configs[0].runtime_env is None  # the CPU engine environment stays on CPU
     assert configs[0].deployment_config["autoscaling_config"]["max_replicas"] == 8
     assert isinstance(build_app(args), Application)
 
@@ -377,8 +380,19 @@ def test_embedded_default_comes_from_one_place():
     assert base.engine_kwargs.items() >= DEMO_ENGINE_KWARGS.items()
     assert spec.engine_kwargs["speculative_config"]["num_speculative_tokens"] == DEMO_NUM_SPECULATIVE_TOKENS
     assert spec.engine_kwargs["additional_config"]["specserve"]["k_policy"] == "adaptive"  # on by default
+    assert spec.runtime_env == base.runtime_env == {"env_vars": CPU_ENGINE_ENV}  # cpu: bounded oneDNN cache
+    assert llm_configs(SpecServeArgs(engine_env={}))[0].runtime_env is None  # an operator's choice wins
     with pytest.raises(ValueError, match="draft_modle"):  # a typo in the YAML is refused, not ignored
         SpecServeArgs.model_validate({"draft_modle": "x"})
+
+
+def test_cpu_engine_environment_keeps_an_operators_value(monkeypatch):
+    from deployment.defaults import cpu_engine_env
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert cpu_engine_env() == CPU_ENGINE_ENV == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    assert cpu_engine_env() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
 
 
 def test_equal_model_ids_are_refused():
