@@ -180,7 +180,7 @@ class SpecServeLLMServer(LLMServer):
         stats = {"enabled": False}
         if config and config.engine_kwargs.get("speculative_config"):
             stats = (await self.collective_rpc("specserve_stats"))[0]
-        return stats | memory_bytes()
+        return stats | replica_processes()
 
     async def check_health(self) -> None:
         """Serve's health check. A dead vLLM engine never comes back in this process, and Serve replaces
@@ -218,10 +218,10 @@ def _usage_chunk(line) -> Optional[dict]:
     return chunk if not chunk.get("choices") and chunk.get("usage") is not None else None
 
 
-def memory_bytes() -> dict:
+def replica_processes() -> dict:
     """Resident memory of this replica's process and of the processes under it (the vLLM engine core
     and its worker): {"replica_memory_bytes": both together, "engine_memory_bytes": those under it},
-    and the engine environment it runs with (`deployment.defaults.CPU_ENGINE_ENV`'s variables as the
+    and the engine environment they run with (`deployment.defaults.CPU_ENGINE_ENV`'s variables as the
     engine processes hold them: {"engine_env": {name: value, or None where unset}})."""
     import psutil
 

@@ -7,10 +7,13 @@ attributes are internal and change between releases. So the plugin is pinned to 
 tested on, and refuses any other at start-up (SPECSERVE_ALLOW_UNTESTED_VLLM=1 turns that into a warning).
 """
 
+from copy import copy
+
 import numpy as np
 import torch
 import vllm
 from vllm.platforms import current_platform
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from plugin.version_check import refuse_untested
 
@@ -123,10 +126,6 @@ _NOT_CARRIED = object()
 
 def attach_draft_token_ids(runner, output):
     """The runner's drafts for the next step, on this step's sampled-token output (worker side)."""
-    from copy import copy
-
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
     if type(output) is not ModelRunnerOutput:  # None, or an async output that is not sent as is
         return output
     if output is EMPTY_MODEL_RUNNER_OUTPUT:  # a shared constant: carry on a copy

@@ -33,6 +33,7 @@ CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class SpeculativeWorker(internals.platform_worker_class()):
     _step_started: tuple | None = None
+    _draft_token_requests = 0  # the engine core's own take_draft_token_ids calls (drafts not on the output)
     _traced_step: dict | None = None  # request id -> the drafts this step verifies, for traced requests
 
     @property
@@ -94,7 +95,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
 
     def take_draft_token_ids(self):
         """The engine core's own request for the drafts: only where they did not come with the output."""
-        self._draft_token_requests = getattr(self, "_draft_token_requests", 0) + 1
+        self._draft_token_requests += 1
         return super().take_draft_token_ids()
 
     def _begin_trace_step(self, scheduler_output) -> None:
@@ -162,5 +163,5 @@ class SpeculativeWorker(internals.platform_worker_class()):
             "profile_seconds": dict(drafter.profile.seconds),
             **drafter.policy.summary(),
             **self.traces.held(),
-            "draft_token_round_trips": getattr(self, "_draft_token_requests", 0),
+            "draft_token_round_trips": self._draft_token_requests,
         }

@@ -13,7 +13,7 @@ import time
 
 from deployment.defaults import DEMO_DRAFT, DEMO_TARGET
 from loadtest import load_prompts
-from specserve.engines import engine_kwargs, shutdown_llm, use_engine_env
+from specserve.engines import engine_kwargs, shutdown_llm, start_llm
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -58,10 +58,9 @@ def step_profile(before: dict, after: dict, seconds: float) -> dict:
 
 
 def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, requests_per_point, log):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    use_engine_env()
-    llm = LLM(seed=0, **kwargs)
+    llm = start_llm(seed=0, **kwargs)
     rows = []
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up

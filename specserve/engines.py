@@ -25,22 +25,21 @@ def engine_kwargs(speculative: bool, num_speculative_tokens: int = DEMO_NUM_SPEC
     return kwargs | overrides
 
 
-def use_engine_env() -> None:
-    """On CPU, the environment the served engines get (`deployment.defaults.CPU_ENGINE_ENV`), for the
-    engine processes this process starts next."""
+def start_llm(**kwargs):
+    """`vllm.LLM(**kwargs)`, its engine processes started, on CPU, with the environment the served engines
+    get (`deployment.defaults.CPU_ENGINE_ENV`)."""
     import os
 
+    from vllm import LLM
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         os.environ.update(cpu_engine_env())
+    return LLM(**kwargs)
 
 
 def build_llm(speculative: bool, **kwargs):
-    from vllm import LLM
-
-    use_engine_env()
-    return LLM(**engine_kwargs(speculative, **kwargs))
+    return start_llm(**engine_kwargs(speculative, **kwargs))
 
 
 def shutdown_llm(llm) -> None:

@@ -165,14 +165,13 @@ def run_engine(kwargs: dict, greedy_prompts: list[str], greedy_tokens: int, dist
                plain: bool, log) -> EngineRun:
     """One engine, start to stop. sizes None: a plain reference run that first draws a pilot per setting
     and then as many samples as the power calculation asks for (returned in run.samples' sizes)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from specserve.demo.measure import decode_step_ms
-    from specserve.engines import shutdown_llm, use_engine_env
+    from specserve.engines import shutdown_llm, start_llm
 
     run = EngineRun()
-    use_engine_env()
-    llm = LLM(seed=0, **kwargs)
+    llm = start_llm(seed=0, **kwargs)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=greedy_tokens, ignore_eos=True, logprobs=2 if plain else None)
         for out in llm.generate(greedy_prompts, greedy, use_tqdm=False):
