@@ -217,15 +217,17 @@ class DraftModel:
             return None
         return self._logits(x[self._arange[:batch], last])
 
-    def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor):
-        """One token per cache row 0..B-1: tokens [B, 1] at positions [B]. Returns logits [B, V] and the
-        token's keys and values [layers, B, kv_heads, head_dim], which the caller writes into the cache
-        (`write_kv`). The same arithmetic as forward, with static shapes (attention over all max_len
-        cached positions, masked, plus the new token), no host synchronisation and no writes to its
-        inputs, so that torch.compile traces it into one graph and, on CUDA, one CUDA graph."""
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int):
+        """One token per cache row 0..B-1: tokens [B, 1] at positions [B], attending to the row's cached
+        positions below its own among the first key_len (at least every position < max(positions)).
+        Returns logits [B, V] and the token's keys and values [layers, B, kv_heads, head_dim], which the
+        caller writes into the cache (`write_kv`). The same arithmetic as forward, with no host
+        synchronisation and no writes to its inputs, so that torch.compile traces it into one graph:
+        with key_len = max_len every shape is static (one CUDA graph per batch size); with key_len the
+        batch's longest prefix, a CPU graph compiled for dynamic shapes reads no more than forward does."""
         batch = tokens.shape[0]
         at = positions.clamp_max(self.max_len - 1).view(batch, 1)
-        before = (torch.arange(self.max_len, device=self.device) < at).view(batch, 1, 1, -1)  # cached, earlier
+        before = (torch.arange(key_len, device=self.device) < at).view(batch, 1, 1, -1)  # cached, earlier
         groups = self.num_heads // self.num_kv_heads
         scale = self.head_dim ** -0.5
 
@@ -237,11 +239,12 @@ class DraftModel:
             new_keys.append(k)
             new_values.append(v)
             q = q.reshape(batch, self.num_kv_heads, groups, self.head_dim)  # grouped-query heads share keys
-            cached = (q @ self.k_cache[i, :batch].transpose(-1, -2)) * scale  # [B, kv_heads, groups, max_len]
+            keys, values = self.k_cache[i, :batch, :, :key_len], self.v_cache[i, :batch, :, :key_len]
+            cached = (q @ keys.transpose(-1, -2)) * scale  # [B, kv_heads, groups, key_len]
             cached = cached.masked_fill(~before, float("-inf"))
             own = (q @ k.unsqueeze(-1)) * scale  # [B, kv_heads, groups, 1]
             weights = torch.cat([cached, own], dim=-1).softmax(dim=-1)
-            attn = weights[..., :-1] @ self.v_cache[i, :batch] + weights[..., -1:] * v.unsqueeze(2)  # [B, kv_heads, groups, hd]
+            attn = weights[..., :-1] @ values + weights[..., -1:] * v.unsqueeze(2)  # [B, kv_heads, groups, hd]
             x = self._finish_layer(x, attn.reshape(batch, 1, -1), layer)
         return self._logits(x[:, 0]), torch.stack(new_keys), torch.stack(new_values)
 

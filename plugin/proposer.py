@@ -143,7 +143,7 @@ class DraftProposer:
         times = []
         for _ in range(repeats + 1):
             began = time.perf_counter()
-            self.model.forward(tokens, start, last).cpu()
+            self._forward(tokens, start, last).cpu()
             times.append(time.perf_counter() - began)
         return float(np.median(times[1:]))
 
@@ -325,11 +325,7 @@ class DraftProposer:
             if j > 0:
                 tokens = drafts[:fed, j - 1].unsqueeze(1)  # [fed, 1]
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
-                if j > 0 and self.decode is not None:
-                    logits = self.decode(tokens, positions[:fed])
-                else:
-                    logits = self.model.forward(tokens, positions[:fed], last[:fed])
-                logits = self._vocab_aligned(logits[active])  # [a, vocab]
+                logits = self._vocab_aligned(self._forward(tokens, positions[:fed], last[:fed])[active])  # [a, vocab]
             with self.profile.phase("sampling"):
                 if q is None:  # every row greedy: the argmax is the draft, no distribution needed
                     token = logits.argmax(-1)  # [a]
@@ -344,6 +340,18 @@ class DraftProposer:
             self._forwards += 1
             self._row_forwards += fed
         return drafts, q
+
+    def _forward(self, tokens: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [B, T] to cache rows 0..B-1 from positions first [B]; the logits [B, V] after
+        position last [B] of each row. Compiled, as T one-token steps: step t feeds each row's token
+        min(t, last), so a row with fewer tokens feeds its last one again, at the same position (the same
+        keys and values), and the final step's logits are every row's own."""
+        if self.decode is None:
+            return self.model.forward(tokens, first, last)
+        for t in range(tokens.shape[1]):
+            column = last.clamp_max(t)  # [B]
+            logits = self.decode(tokens.gather(1, column.unsqueeze(1)), first + column)
+        return logits
 
     def _gather_tokens(self, token_ids, rows: np.ndarray, first: np.ndarray, count: np.ndarray,
                        real: np.ndarray | None = None) -> torch.Tensor:

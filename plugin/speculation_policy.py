@@ -11,9 +11,11 @@ Vocabulary:
 - step time, for draft lengths K_i over n requests, d = sum(K_i) (the model `StepCosts` holds):
       base + drafting * [d > 0] + verify_extra(d) + per_draft_token * d + per_draft_forward * max(K_i)
   where verify_extra(d) is the target's extra time for d more tokens in its forward (not linear: flat
-  while the hardware is bound by weight traffic, then rising), per_draft_token the draft feeding one
-  more row in one forward, and per_draft_forward one more batched draft forward (the draft runs
-  max(K_i) of them; rows drop out as their K_i runs out).
+  while the hardware is bound by weight traffic, then rising), per_draft_token any cost of one more draft
+  token alone, and per_draft_forward one more batched draft forward. The draft runs max(K_i) forwards,
+  and each feeds every row up to the last one still drafting (rows before it that have stopped feed
+  scratch, so that the forward reads the cache as a view): so a forward is costed as feeding the whole
+  batch, and one long draft in a batch of short ones pays for its extra forwards over every row.
 - goodput: sum(E_i(K_i)) / step time, in tokens per second. `choose_draft_lengths` maximises it.
 
 Losslessness does not depend on any of this: K is chosen from past acceptance and measured costs only,
@@ -298,12 +300,13 @@ class SpeculationPolicy:
         step, per_request, plain_scale, verify_scale, drafting = self.target.coefficients()
         overhead, per_forward, per_row_forward = self.draft.coefficients()
         plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
+        rows_fed = min(requests, self.acceptance.rows)  # each draft forward feeds the batch's rows (see above)
 
         def verify_extra(d: np.ndarray) -> np.ndarray:
             return verify_scale * (self.forward_time(requests + np.asarray(d, dtype=float)) - plain_forward)
 
         costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead,
-                          drafting=drafting, per_draft_token=per_row_forward, per_draft_forward=per_forward,
+                          drafting=drafting, per_draft_token=0.0, per_draft_forward=per_forward + per_row_forward * rows_fed,
                           verify_extra=verify_extra)
         return replace(costs, **self.forced)
 

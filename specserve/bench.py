@@ -6,9 +6,21 @@ length, acceptance rate and (ours) the chosen-K histogram per configuration, bat
 vLLM's own methods are measured as shipped. On the CPU build their output at temperature > 0 does not
 follow the target's distribution (see the README), so their tokens/s there is not a like-for-like
 comparison; it is reported anyway, marked.
+
+Batch size B means B requests in flight, a new one joining as soon as one finishes (as on a server),
+over max(16, 3 B) requests per point unless `--requests` says otherwise.
+
+A configuration may name its K: `specserve-fixed:3` is fixed K = 3 beside `--k` for the others.
+`--rounds N` (N >= 2) starts every configuration's engine at once and measures the points round-robin,
+in a shuffled order per point, N times: this machine's speed drifts by 10-30% over minutes, which makes
+configurations measured one after another incomparable, while within a round they share the drift.
+Ratios are then taken within each round and reported as the median and range over the rounds.
 """
 
+import itertools
 import json
+import random
+import statistics
 import time
 
 from deployment.defaults import DEMO_DRAFT, DEMO_TARGET
@@ -57,44 +69,127 @@ def step_profile(before: dict, after: dict, seconds: float) -> dict:
             "draft_share": draft_s / seconds, "phases_ms": phases}
 
 
-def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, requests_per_point, log):
+def config_kwargs(spec: str, k: int, profile: bool) -> dict:
+    """Engine kwargs for a configuration name, optionally with its own K after a colon (specserve-fixed:3)."""
+    name, _, own_k = spec.partition(":")
+    return configurations(int(own_k) if own_k else k, profile=profile)[name]
+
+
+_request_ids = itertools.count()
+
+
+def run_concurrently(llm, prompts: list[str], params, concurrency: int) -> int:
+    """Every prompt through the engine with `concurrency` requests in flight, a new one joining as soon as
+    one finishes, as on a server; output tokens. (Batches of `concurrency` prompts, each waiting for its
+    slowest request, would charge every configuration for its spread of request speeds: a speculator
+    that lets some requests finish early would leave its batch part-empty until the last one ends.)"""
+    engine = llm.llm_engine
+    waiting, in_flight, tokens = list(prompts), 0, 0
+    while waiting or in_flight:
+        while waiting and in_flight < concurrency:
+            engine.add_request(f"bench-{next(_request_ids)}", waiting.pop(0), params)
+            in_flight += 1
+        for output in engine.step():
+            if output.finished:
+                in_flight -= 1
+                tokens += len(output.outputs[0].token_ids)
+    return tokens
+
+
+def measure_point(llm, name, prompts, batch, temperature, new_tokens, requests_per_point, first_prompt=0) -> dict:
+    """Tokens/s, acceptance and (ours) K histogram and step profile of one (batch, temperature) point."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
+    requests = requests_per_point or max(16, 3 * batch)
+    ours = name.startswith("specserve")
+    before, draft_before = _counters(llm), _draft_stats(llm, ours)
+    start = time.perf_counter()
+    tokens = run_concurrently(llm, [prompts[(first_prompt + i) % len(prompts)] for i in range(requests)], params, batch)
+    seconds = time.perf_counter() - start
+    after, draft_after = _counters(llm), _draft_stats(llm, ours)
+    drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
+    row = {
+        "config": name, "batch": batch, "temperature": temperature,
+        "requests": requests, "output_tokens": tokens, "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+    }
+    if draft_before:
+        row["k_histogram"] = [a - b for a, b in zip(draft_after["chosen_k_histogram"], draft_before["chosen_k_histogram"])]
+    if draft_before and draft_after.get("profile_enabled"):
+        row["profile"] = step_profile(draft_before, draft_after, seconds)
+    return row
+
+
+def _start(kwargs, prompts):
     from vllm import SamplingParams
 
     llm = start_llm(seed=0, **kwargs)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    return llm
+
+
+def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, requests_per_point, log):
+    llm = _start(kwargs, prompts)
     rows = []
     try:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         for temperature in temperatures:
             for batch in batch_sizes:
-                params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
-                n_batches = max(1, requests_per_point // batch)
-                before, draft_before = _counters(llm), _draft_stats(llm, name.startswith("specserve"))
-                start = time.perf_counter()
-                tokens = 0
-                for b in range(n_batches):
-                    chunk = [prompts[(b * batch + i) % len(prompts)] for i in range(batch)]
-                    outs = llm.generate(chunk, params, use_tqdm=False)
-                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-                seconds = time.perf_counter() - start
-                after, draft_after = _counters(llm), _draft_stats(llm, name.startswith("specserve"))
-                drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
-                row = {
-                    "config": name, "batch": batch, "temperature": temperature,
-                    "requests": n_batches * batch, "output_tokens": tokens, "seconds": round(seconds, 3),
-                    "tokens_per_s": round(tokens / seconds, 2),
-                    "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-                    "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                }
-                if draft_before:
-                    row["k_histogram"] = [a - b for a, b in zip(draft_after["chosen_k_histogram"],
-                                                                draft_before["chosen_k_histogram"])]
-                if draft_before and draft_after.get("profile_enabled"):
-                    row["profile"] = step_profile(draft_before, draft_after, seconds)
-                rows.append(row)
-                log(row)
+                rows.append(measure_point(llm, name, prompts, batch, temperature, new_tokens, requests_per_point))
+                log(rows[-1])
     finally:
         shutdown_llm(llm)
     return rows
+
+
+def run_interleaved(specs: dict[str, dict], prompts, batch_sizes, temperatures, new_tokens, requests_per_point,
+                    rounds, log, seed=0):
+    """Every configuration's engine at once; each point measured round-robin in a shuffled order, rounds
+    times, each round on the next prompts. Rows carry their round."""
+    engines = {}
+    order_rng = random.Random(seed)
+    rows = []
+    try:
+        for name, kwargs in specs.items():
+            log({"starting": name})
+            engines[name] = _start(kwargs, prompts)
+        first_prompt = 0
+        for r in range(rounds):
+            for temperature in temperatures:
+                for batch in batch_sizes:
+                    order = list(engines)
+                    order_rng.shuffle(order)
+                    for name in order:
+                        row = measure_point(engines[name], name, prompts, batch, temperature, new_tokens,
+                                            requests_per_point, first_prompt) | {"round": r}
+                        rows.append(row)
+                        log(row)
+                    first_prompt += requests_per_point or max(16, 3 * batch)
+    finally:
+        for llm in engines.values():
+            shutdown_llm(llm)
+    return rows
+
+
+def summarise_rounds(rows: list[dict], baseline: str) -> list[dict]:
+    """Per configuration and point: median tokens/s over the rounds, and the ratio to the baseline
+    taken within each round (both measured under the same drift), as median, min and max."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["config"], r["batch"], r["temperature"]), {})[r.get("round", 0)] = r
+    out = []
+    for (config, batch, temperature), per_round in by_key.items():
+        base = by_key.get((baseline, batch, temperature), {})
+        ratios = [row["tokens_per_s"] / base[rnd]["tokens_per_s"] for rnd, row in per_round.items() if rnd in base]
+        histograms = [r["k_histogram"] for r in per_round.values() if r.get("k_histogram")]
+        out.append({"config": config, "batch": batch, "temperature": temperature, "rounds": len(per_round),
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in per_round.values()),
+                    "ratio": statistics.median(ratios) if ratios else None,
+                    "ratio_range": (min(ratios), max(ratios)) if ratios else None,
+                    "k_histogram": [sum(h) for h in zip(*histograms)] if histograms else None})
+    return out
 
 
 def k_shares(histogram: list[int] | None) -> str:
@@ -133,25 +228,60 @@ def print_table(rows):
                   f"{prof['draft_share']:>7.0%}" + "".join(f"{prof['phases_ms'][p]:>14.3f}" for p in phases))
 
 
+def print_rounds_table(rows):
+    """The interleaved run: median tokens/s, and the within-round ratios to plain and to vLLM's
+    draft_model as median [min-max] over the rounds."""
+    vs = {base: {(r["config"], r["batch"], r["temperature"]): r for r in summarise_rounds(rows, base)}
+          for base in ("plain", "vllm-draft_model")}
+
+    def cell(base, key):
+        r = vs[base].get(key)
+        if not r or r["ratio"] is None:
+            return "-"
+        low, high = r["ratio_range"]
+        return f"{r['ratio']:.2f}x [{low:.2f}-{high:.2f}]"
+
+    rounds = max(r.get("round", 0) for r in rows) + 1
+    print(f"{rounds} interleaved rounds; ratios taken within each round: median [min-max]")
+    print(f"{'config':<22}{'batch':>6}{'temp':>6}{'tok/s':>10}{'vs plain':>22}{'vs draft_model':>22}"
+          "  chosen K: share of request-steps at 0, 1, ...")
+    for key, r in vs["plain"].items():
+        flag = " *" if r["config"].startswith("vllm-") and r["temperature"] > 0 else ""
+        print(f"{r['config']:<22}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}"
+              f"{cell('plain', key):>22}{cell('vllm-draft_model', key):>22}{flag}  {k_shares(r['k_histogram'])}")
+    print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
+          "distribution; not like for like.")
+
+
 def main(args) -> int:
     import sys
 
     prompts = [p["prompt"] for p in load_prompts()]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    configs = configurations(args.k, profile=args.profile)
+    known = configurations(args.k)
     names = args.configs.split(",") if args.configs else ["plain", "specserve", "specserve-fixed", "vllm-draft_model", "vllm-ngram"]
-    unknown = set(names) - set(configs)
+    def valid(name):
+        base, colon, k = name.partition(":")
+        return base in known and (not colon or k.isdigit())
+
+    unknown = [n for n in names if not valid(n)]
     if unknown:
-        print(f"specserve bench: unknown configs {sorted(unknown)}; choose from {sorted(configs)}", file=sys.stderr)
+        print(f"specserve bench: unknown configs {sorted(unknown)}; choose from {sorted(known)} "
+              "(optionally with their own K, as in specserve-fixed:3)", file=sys.stderr)
         return 2
-    rows = []
-    for name in names:
-        print(f"[bench] {name}: starting engine", file=sys.stderr, flush=True)
-        rows += run_config(name, configs[name], prompts, batch_sizes, temperatures, args.new_tokens,
-                           args.requests, lambda r: print(f"[bench] {r}", file=sys.stderr, flush=True))
-    print_table(rows)
+    log = lambda r: print(f"[bench] {r}", file=sys.stderr, flush=True)  # noqa: E731
+    specs = {name: config_kwargs(name, args.k, args.profile) for name in names}
+    if args.rounds > 1:
+        rows = run_interleaved(specs, prompts, batch_sizes, temperatures, args.new_tokens, args.requests, args.rounds, log)
+        print_rounds_table(rows)
+    else:
+        rows = []
+        for name, kwargs in specs.items():
+            print(f"[bench] {name}: starting engine", file=sys.stderr, flush=True)
+            rows += run_config(name, kwargs, prompts, batch_sizes, temperatures, args.new_tokens, args.requests, log)
+        print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"k": args.k, "new_tokens": args.new_tokens, "rows": rows}, f, indent=2)
+            json.dump({"k": args.k, "new_tokens": args.new_tokens, "rounds": args.rounds, "rows": rows}, f, indent=2)
     return 0

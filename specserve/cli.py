@@ -83,11 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--requests", type=int, default=16, help="requests per (batch size, temperature) point")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per (batch size, temperature) point (default: max(16, 3 x batch size))")
     p.add_argument("--configs", help="comma-separated subset of plain, specserve (adaptive K), specserve-fixed, "
-                   "specserve-off (K = 0 always), specserve-compiled, vllm-draft_model, vllm-ngram "
-                   "(default: plain, specserve, specserve-fixed, vllm-draft_model, vllm-ngram)")
+                   "specserve-off (K = 0 always), specserve-compiled, vllm-draft_model, vllm-ngram, each optionally "
+                   "with its own K (specserve-fixed:3) (default: plain, specserve, specserve-fixed, "
+                   "vllm-draft_model, vllm-ngram)")
     p.add_argument("--profile", action="store_true", help="time each phase of specserve's draft step")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="N >= 2: every engine started at once and the points measured round-robin N times, "
+                        "ratios taken within each round (median [min-max]); for a machine whose speed drifts")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=_run("specserve.bench"))
 

@@ -20,10 +20,11 @@ from plugin.proposer import DraftProposer  # noqa: E402
 K, MAX_LEN, VOCAB, SLOTS = 3, 320, 4096, 8
 
 
-def make_proposer(k_policy: str = "fixed") -> DraftProposer:
+def make_proposer(k_policy: str = "fixed", compile_draft: str = "auto") -> DraftProposer:
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=K),
-        additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4, "k_policy": k_policy}},
+        additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4, "k_policy": k_policy,
+                                                     "compile_draft": compile_draft}},
         model_config=SimpleNamespace(tokenizer=DEMO_DRAFT, model=DEMO_DRAFT, max_model_len=MAX_LEN,
                                      dtype=torch.float32, get_vocab_size=lambda: VOCAB),
         scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
@@ -58,11 +59,14 @@ def reference():
     return q_after
 
 
-@pytest.mark.parametrize("lengths", ["fixed", "varying"])
-def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference, lengths):
+@pytest.mark.parametrize("lengths,compiled", [
+    ("fixed", False), ("varying", False),
+    pytest.param("varying", True, marks=pytest.mark.slow, id="varying-compiled"),
+])
+def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference, lengths, compiled):
     rng = np.random.default_rng(0)
-    proposer = make_proposer()
-    assert proposer.decode is None  # compile_draft="auto" stays eager on CPU
+    proposer = make_proposer(compile_draft="on" if compiled else "off")
+    assert (proposer.decode is not None) == compiled
     chosen = np.full(4, K)
     if lengths == "varying":  # the policy's choice, replaced by a random one per row and step
         proposer.policy.choose = lambda candidates, requests, pinned=None: np.where(candidates, chosen[: len(candidates)], 0)
@@ -120,3 +124,5 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     step({"d": 2, "c": K})
     assert proposer.tracked_requests() == {"c", "d"}
     assert proposer.stats["failures"] == 0
+    if compiled:  # every one-token forward, catch-up included, went through the compiled step
+        assert proposer.decode.failed is None, proposer.decode.failed

@@ -139,3 +139,20 @@ def test_cost_ratio_is_the_target_step_over_one_draft_forward():
     overhead = policy.draft.coefficients()[0]
     assert policy.cost_ratio() == pytest.approx((0.030 - overhead) / 0.002)
     assert SpeculationPolicy("fixed", max_k=4, rows=2).cost_ratio() is None
+
+
+def test_a_draft_forward_is_costed_over_every_row_of_the_batch():
+    """The proposer's draft forward j feeds every row up to the last one still drafting (the rest feed
+    scratch), so the step-cost model charges each forward for the batch's rows: one long draft in a big
+    batch pays for its extra forwards over all of them, not for its own tokens alone."""
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=64)
+    policy.calibrate_draft({1: 0.0006, 16: 0.0021})  # 0.5 ms a forward, plus 0.1 ms a row
+    assert policy.costs(1).per_draft_forward == pytest.approx(0.0005 + 0.0001)
+    assert policy.costs(16).per_draft_forward == pytest.approx(0.0005 + 16 * 0.0001)
+    assert policy.costs(100).per_draft_forward == pytest.approx(0.0005 + 64 * 0.0001)  # beyond max_draft_rows none drafts
+    assert policy.costs(16).per_draft_token == 0
+    # So in a batch of 16, a draft of 4 for a row the draft predicts well and 1 for the others costs as
+    # much drafting as 4 for all: the choice gives the long draft only where its gain pays for that.
+    acceptance = np.vstack([np.full((1, 4), 0.9), np.full((15, 4), 0.3)])
+    k = choose_draft_lengths(acceptance, policy.costs(16), 4)
+    assert k[0] >= k[1:].max()

@@ -1,0 +1,34 @@
+"""`specserve bench`'s arithmetic (the command itself is a benchmark, run by hand): configurations with
+their own K, and the interleaved rounds' within-round ratios."""
+
+import pytest
+
+from specserve.bench import config_kwargs, summarise_rounds
+
+
+def test_a_configuration_may_name_its_own_k():
+    assert config_kwargs("specserve-fixed:3", 6, False)["speculative_config"]["num_speculative_tokens"] == 3
+    assert config_kwargs("specserve-fixed", 6, False)["speculative_config"]["num_speculative_tokens"] == 6
+    assert config_kwargs("vllm-draft_model:2", 6, False)["speculative_config"]["num_speculative_tokens"] == 2
+
+
+def test_ratios_are_taken_within_each_round():
+    """Round 1 ran 2x faster for everyone (the machine drifted): the ratio stays 1.5x in both rounds,
+    where the ratio of medians over rounds would mix the drift in."""
+    rows = [
+        {"config": "plain", "batch": 4, "temperature": 0.0, "round": 0, "tokens_per_s": 100.0},
+        {"config": "ours", "batch": 4, "temperature": 0.0, "round": 0, "tokens_per_s": 150.0, "k_histogram": [1, 2]},
+        {"config": "plain", "batch": 4, "temperature": 0.0, "round": 1, "tokens_per_s": 200.0},
+        {"config": "ours", "batch": 4, "temperature": 0.0, "round": 1, "tokens_per_s": 300.0, "k_histogram": [0, 4]},
+        {"config": "plain", "batch": 4, "temperature": 0.0, "round": 2, "tokens_per_s": 100.0},
+        {"config": "ours", "batch": 4, "temperature": 0.0, "round": 2, "tokens_per_s": 120.0, "k_histogram": [3, 0]},
+    ]
+    ours = next(r for r in summarise_rounds(rows, "plain") if r["config"] == "ours")
+    assert ours["rounds"] == 3
+    assert ours["tokens_per_s"] == 150.0
+    assert ours["ratio"] == pytest.approx(1.5)
+    assert ours["ratio_range"] == pytest.approx((1.2, 1.5))
+    assert ours["k_histogram"] == [4, 6]
+    plain = next(r for r in summarise_rounds(rows, "plain") if r["config"] == "plain")
+    assert plain["ratio"] == 1.0
+    assert next(r for r in summarise_rounds(rows, "missing") if r["config"] == "ours")["ratio"] is None
