@@ -27,31 +27,22 @@ from deployment.defaults import DEMO_DRAFT, DEMO_TARGET
 from loadtest import load_prompts
 from specserve.engines import engine_kwargs, shutdown_llm, start_llm
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
-
-
 def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, draft: str = DEMO_DRAFT) -> dict[str, dict]:
     pair = {"target": target, "draft": draft}
+    # Acceptance is read from each request's own summary (as ours gives it): the process-wide Prometheus
+    # registry would mix the engines of an interleaved run.
+    vllm_own = {"per_request_spec_decode_metrics": "summary"}
     return {
         "plain": engine_kwargs(False, target=target),
         "specserve": engine_kwargs(True, k, **pair, profile_steps=profile),
         "specserve-fixed": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="fixed"),
         "specserve-off": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="off"),
         "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
-        "vllm-draft_model": engine_kwargs(False, target=target) | {"speculative_config": {
+        "vllm-draft_model": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {
             "method": "draft_model", "model": str(draft), "num_speculative_tokens": k}},
-        "vllm-ngram": engine_kwargs(False, target=target) | {"speculative_config": {
+        "vllm-ngram": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}},
     }
-
-
-def _counters(llm) -> dict[str, float]:
-    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    for metric in llm.get_metrics():
-        if metric.name in totals:
-            totals[metric.name] += metric.value
-    return totals
 
 
 def _draft_stats(llm, ours: bool) -> dict | None:
@@ -78,13 +69,16 @@ def config_kwargs(spec: str, k: int, profile: bool) -> dict:
 _request_ids = itertools.count()
 
 
-def run_concurrently(llm, prompts: list[str], params, concurrency: int) -> int:
+def run_concurrently(llm, prompts: list[str], params, concurrency: int) -> dict[str, int]:
     """Every prompt through the engine with `concurrency` requests in flight, a new one joining as soon as
-    one finishes, as on a server; output tokens. (Batches of `concurrency` prompts, each waiting for its
-    slowest request, would charge every configuration for its spread of request speeds: a speculator
-    that lets some requests finish early would leave its batch part-empty until the last one ends.)"""
+    one finishes, as on a server. (Batches of `concurrency` prompts, each waiting for its slowest request,
+    would charge every configuration for its spread of request speeds: a speculator that lets some
+    requests finish early would leave its batch part-empty until the last one ends.) Returns output
+    tokens and, summed over the requests' speculation summaries, the steps that verified drafts, the
+    draft tokens and the accepted ones."""
     engine = llm.llm_engine
-    waiting, in_flight, tokens = list(prompts), 0, 0
+    waiting, in_flight = list(prompts), 0
+    totals = dict.fromkeys(("tokens", "spec_steps", "draft_tokens", "accepted"), 0)
     while waiting or in_flight:
         while waiting and in_flight < concurrency:
             engine.add_request(f"bench-{next(_request_ids)}", waiting.pop(0), params)
@@ -92,8 +86,13 @@ def run_concurrently(llm, prompts: list[str], params, concurrency: int) -> int:
         for output in engine.step():
             if output.finished:
                 in_flight -= 1
-                tokens += len(output.outputs[0].token_ids)
-    return tokens
+                totals["tokens"] += len(output.outputs[0].token_ids)
+                if (spec := getattr(output.outputs[0], "spec_decode_metrics", None)) is not None:
+                    summary = spec.to_dict()
+                    totals["spec_steps"] += summary["num_spec_steps"]
+                    totals["draft_tokens"] += summary["num_draft_tokens"]
+                    totals["accepted"] += summary["num_accepted_draft_tokens"]
+    return totals
 
 
 def measure_point(llm, name, prompts, batch, temperature, new_tokens, requests_per_point, first_prompt=0) -> dict:
@@ -103,12 +102,12 @@ def measure_point(llm, name, prompts, batch, temperature, new_tokens, requests_p
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
     requests = requests_per_point or max(16, 3 * batch)
     ours = name.startswith("specserve")
-    before, draft_before = _counters(llm), _draft_stats(llm, ours)
+    draft_before = _draft_stats(llm, ours)
     start = time.perf_counter()
-    tokens = run_concurrently(llm, [prompts[(first_prompt + i) % len(prompts)] for i in range(requests)], params, batch)
+    totals = run_concurrently(llm, [prompts[(first_prompt + i) % len(prompts)] for i in range(requests)], params, batch)
     seconds = time.perf_counter() - start
-    after, draft_after = _counters(llm), _draft_stats(llm, ours)
-    drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
+    draft_after = _draft_stats(llm, ours)
+    tokens, drafts, drafted, accepted = (totals[c] for c in ("tokens", "spec_steps", "draft_tokens", "accepted"))
     row = {
         "config": name, "batch": batch, "temperature": temperature,
         "requests": requests, "output_tokens": tokens, "seconds": round(seconds, 3),
