@@ -95,12 +95,17 @@ def run_concurrently(llm, prompts: list[str], params, concurrency: int) -> dict[
     return totals
 
 
+def requests_at(batch: int, requests_per_point: int = 0) -> int:
+    """Requests per point: as asked, or enough for the batch to stay full but for the last wave."""
+    return requests_per_point or max(16, 3 * batch)
+
+
 def measure_point(llm, name, prompts, batch, temperature, new_tokens, requests_per_point, first_prompt=0) -> dict:
     """Tokens/s, acceptance and (ours) K histogram and step profile of one (batch, temperature) point."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=None)
-    requests = requests_per_point or max(16, 3 * batch)
+    requests = requests_at(batch, requests_per_point)
     ours = name.startswith("specserve")
     draft_before = _draft_stats(llm, ours)
     start = time.perf_counter()
@@ -165,7 +170,7 @@ def run_interleaved(specs: dict[str, dict], prompts, batch_sizes, temperatures, 
                                             requests_per_point, first_prompt) | {"round": r}
                         rows.append(row)
                         log(row)
-                    first_prompt += requests_per_point or max(16, 3 * batch)
+                    first_prompt += requests_at(batch, requests_per_point)
     finally:
         for llm in engines.values():
             shutdown_llm(llm)
@@ -191,6 +196,10 @@ def summarise_rounds(rows: list[dict], baseline: str) -> list[dict]:
     return out
 
 
+NOT_LIKE_FOR_LIKE = ("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
+                     "distribution; not like for like.")
+
+
 def k_shares(histogram: list[int] | None) -> str:
     total = sum(histogram or [])
     return " ".join(f"{n / total:.2f}" for n in histogram) if total else ""
@@ -214,8 +223,7 @@ def print_table(rows):
         print(f"{r['config']:<20}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}"
               f"{ratio(r['tokens_per_s'], plain.get(point)):>10}{ratio(r['tokens_per_s'], draft_model.get(point)):>16}"
               f"{mal:>12}{rate:>12}{flag}  {k_shares(r.get('k_histogram'))}")
-    print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
-          "distribution; not like for like.")
+    print(NOT_LIKE_FOR_LIKE)
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         phases = list(profiled[0]["profile"]["phases_ms"])
@@ -248,8 +256,7 @@ def print_rounds_table(rows):
         flag = " *" if r["config"].startswith("vllm-") and r["temperature"] > 0 else ""
         print(f"{r['config']:<22}{r['batch']:>6}{r['temperature']:>6.1f}{r['tokens_per_s']:>10.1f}"
               f"{cell('plain', key):>22}{cell('vllm-draft_model', key):>22}{flag}  {k_shares(r['k_histogram'])}")
-    print("* vLLM's own speculation at temperature > 0 on the CPU build does not reproduce the target's "
-          "distribution; not like for like.")
+    print(NOT_LIKE_FOR_LIKE)
 
 
 def main(args) -> int:
@@ -260,6 +267,7 @@ def main(args) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     known = configurations(args.k)
     names = args.configs.split(",") if args.configs else ["plain", "specserve", "specserve-fixed", "vllm-draft_model", "vllm-ngram"]
+
     def valid(name):
         base, colon, k = name.partition(":")
         return base in known and (not colon or k.isdigit())
@@ -269,8 +277,12 @@ def main(args) -> int:
         print(f"specserve bench: unknown configs {sorted(unknown)}; choose from {sorted(known)} "
               "(optionally with their own K, as in specserve-fixed:3)", file=sys.stderr)
         return 2
+    try:
+        specs = {name: config_kwargs(name, args.k, args.profile) for name in names}
+    except ValueError as exc:  # a K the speculator refuses (specserve-fixed:0)
+        print(f"specserve bench: {exc}", file=sys.stderr)
+        return 2
     log = lambda r: print(f"[bench] {r}", file=sys.stderr, flush=True)  # noqa: E731
-    specs = {name: config_kwargs(name, args.k, args.profile) for name in names}
     if args.rounds > 1:
         rows = run_interleaved(specs, prompts, batch_sizes, temperatures, args.new_tokens, args.requests, args.rounds, log)
         print_rounds_table(rows)

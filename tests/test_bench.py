@@ -32,3 +32,20 @@ def test_ratios_are_taken_within_each_round():
     plain = next(r for r in summarise_rounds(rows, "plain") if r["config"] == "plain")
     assert plain["ratio"] == 1.0
     assert next(r for r in summarise_rounds(rows, "missing") if r["config"] == "ours")["ratio"] is None
+
+
+def test_a_point_keeps_its_batch_full_but_for_the_last_wave():
+    from specserve.bench import requests_at
+
+    assert requests_at(1) == 16 and requests_at(16) == 48 and requests_at(16, 20) == 20
+
+
+def test_a_configuration_the_speculator_refuses_is_a_clear_error(capsys):
+    from specserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--configs", "plain,specserve-fixed:0"])
+    assert args.func(args) == 2
+    assert "num_speculative_tokens must be at least 1" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "--configs", "specserve-fixed:x"])
+    assert args.func(args) == 2
+    assert "unknown configs ['specserve-fixed:x']" in capsys.readouterr().err
