@@ -11,11 +11,12 @@ Vocabulary:
 - step time, for draft lengths K_i over n requests, d = sum(K_i) (the model `StepCosts` holds):
       base + drafting * [d > 0] + verify_extra(d) + per_draft_token * d + per_draft_forward * max(K_i)
   where verify_extra(d) is the target's extra time for d more tokens in its forward (not linear: flat
-  while the hardware is bound by weight traffic, then rising), per_draft_token any cost of one more draft
-  token alone, and per_draft_forward one more batched draft forward. The draft runs max(K_i) forwards,
-  and each feeds every row up to the last one still drafting (rows before it that have stopped feed
-  scratch, so that the forward reads the cache as a view): so a forward is costed as feeding the whole
-  batch, and one long draft in a batch of short ones pays for its extra forwards over every row.
+  while the hardware is bound by weight traffic, then rising), per_draft_token what one more draft
+  token costs outside the forwards (the engine schedules it and processes its outcome), and
+  per_draft_forward one more batched draft forward. The draft runs max(K_i) forwards, and each feeds
+  every row up to the last one still drafting (rows before it that have stopped feed scratch, so that
+  the forward reads the cache as a view): so a forward is costed as feeding the whole batch, and one
+  long draft in a batch of short ones pays for its extra forwards over every row.
 - goodput: sum(E_i(K_i)) / step time, in tokens per second. `choose_draft_lengths` maximises it.
 
 Losslessness does not depend on any of this: K is chosen from past acceptance and measured costs only,
@@ -221,10 +222,13 @@ class SpeculationPolicy:
     "fixed" (K_max for every request that can draft) or "off" (no drafting: the engine runs as a plain
     one, for measuring what speculation's plumbing costs).
 
-    It learns the step-time model from two online fits: the target's step as the worker times it
+    It learns the step-time model from three online fits: the target's step as the worker times it
     (features: 1, requests, the target forward's time for one token per request and the extra time for
     the step's draft tokens, both from the forward's cost curve calibrated at start-up, and whether
-    anything drafted), and the draft's step as the proposer times it (1, draft forwards, rows fed).
+    anything drafted), the draft's step as the proposer times it (1, draft forwards, rows fed), and the
+    engine's time between two worker steps (1, requests, draft tokens): the scheduler and the output
+    processing run once per step and handle every draft token, so a step that drafts more also costs
+    more outside the worker, and a step's fixed engine cost is what drafting saves on.
     The two forward features get coefficients of their own, so that what a step costs without drafts
     (sampling, scheduling, per-request work) does not leak into what verifying one more token costs.
     Both start from a calibration (`calibrate_target`, `calibrate_draft`) so that the first steps are
@@ -237,6 +241,7 @@ class SpeculationPolicy:
     # share of one step in PROBE_INTERVAL). Not while costs are pinned.
     PROBE_INTERVAL = 64
     DRAFT_FEATURES = ("overhead", "per_forward", "per_row_forward")
+    ENGINE_FEATURES = ("step", "per_request", "per_draft_token")
 
     def __init__(self, mode: str, max_k: int, rows: int):
         if mode not in POLICIES:
@@ -248,6 +253,7 @@ class SpeculationPolicy:
         self.curve_tokens, self.curve_seconds = np.array([0.0, 1.0]), np.array([0.0, 1e-3])
         self.target = OnlineLinearCost(self.TARGET_FEATURES, prior=[0.0, 0.0, 1.0, 1.0, 0.0], scale=[1, 8, 0.03, 0.03, 1])
         self.draft = OnlineLinearCost(self.DRAFT_FEATURES, prior=[0.0, 0.001, 0.0], scale=[1, 4, 16])
+        self.engine = OnlineLinearCost(self.ENGINE_FEATURES, prior=[0.0, 0.0, 0.0], scale=[1, 8, 16])
         self.forced: dict[str, float] = {}
         self.calibration: dict[str, dict] = {}
         self.histogram = np.zeros(max_k + 1, dtype=np.int64)  # chosen K per request-step
@@ -287,6 +293,11 @@ class SpeculationPolicy:
     def observe_draft(self, forwards: int, row_forwards: int, seconds: float) -> None:
         self.draft.observe(np.array([1.0, forwards, row_forwards]), seconds)
 
+    def observe_engine(self, requests: int, draft_tokens: int, seconds: float) -> None:
+        """The engine's time between two decode steps of the worker (scheduling this step, processing
+        the last one's output), against this step's requests and the draft tokens it verifies."""
+        self.engine.observe(np.array([1.0, requests, draft_tokens]), seconds)
+
     def force_costs(self, overrides: dict[str, float] | None) -> None:
         """Pin StepCosts fields (seconds) whatever the fits say; None lifts the pin."""
         known = ("base", "drafting", "per_draft_token", "per_draft_forward")
@@ -299,15 +310,17 @@ class SpeculationPolicy:
         """The step-time model for a batch of this many decoding requests (one token each unless drafted)."""
         step, per_request, plain_scale, verify_scale, drafting = self.target.coefficients()
         overhead, per_forward, per_row_forward = self.draft.coefficients()
+        engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients()
         plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
         rows_fed = min(requests, self.acceptance.rows)  # each draft forward feeds the batch's rows (see above)
 
         def verify_extra(d: np.ndarray) -> np.ndarray:
             return verify_scale * (self.forward_time(requests + np.asarray(d, dtype=float)) - plain_forward)
 
-        costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead,
-                          drafting=drafting, per_draft_token=0.0, per_draft_forward=per_forward + per_row_forward * rows_fed,
-                          verify_extra=verify_extra)
+        costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead
+                          + engine_step + engine_per_request * requests,
+                          drafting=drafting, per_draft_token=engine_per_draft_token,
+                          per_draft_forward=per_forward + per_row_forward * rows_fed, verify_extra=verify_extra)
         return replace(costs, **self.forced)
 
     def choose(self, candidates: np.ndarray, requests: int, pinned: np.ndarray | None = None) -> np.ndarray:
@@ -354,6 +367,7 @@ class SpeculationPolicy:
             "probes": self.probes,
             "target_cost_ms": self.target.summary(),
             "draft_cost_ms": self.draft.summary(),
+            "engine_cost_ms": self.engine.summary(),
             "forced_costs": dict(self.forced),
             "calibration": self.calibration,
             "batch1_step_costs_ms": {name: round(float(getattr(costs, name)) * 1e3, 4)

@@ -10,7 +10,8 @@ in `plugin.engine_plugin`).
 
 For the adaptive speculation policy it also times every decode step: the target's share (the step,
 from execute_model to the end of sample_tokens, less the proposer's own time) against the requests,
-tokens and drafts the scheduler gave it; and once at start-up, after vLLM's warm-up, the target's
+tokens and drafts the scheduler gave it, and the engine's time from one decode step's end to the
+next one's start (the scheduler and the output processing, which handle every draft token); and once at start-up, after vLLM's warm-up, the target's
 forward at a range of token counts. Fixed-K and "off" engines need no costs and skip both.
 
 Requests that ask for a trace (`plugin.trace`) have each step recorded from what the scheduler sent to
@@ -33,6 +34,9 @@ CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class SpeculativeWorker(internals.platform_worker_class()):
     _step_started: tuple | None = None
+    # When the last decode step left the worker: the engine's time until the next one (scheduling,
+    # output processing) is a step cost too. None after a step with a prompt in it, and while idle.
+    _decode_step_ended: float | None = None
     _draft_token_requests = 0  # the engine core's own take_draft_token_ids calls (drafts not on the output)
     _traced_step: dict | None = None  # request id -> the drafts this step verifies, for traced requests
 
@@ -76,11 +80,15 @@ class SpeculativeWorker(internals.platform_worker_class()):
             self.traces.finish(scheduler_output.finished_req_ids)
         self._begin_trace_step(scheduler_output)
         if drafter.policy.mode == "adaptive" and scheduler_output.total_num_scheduled_tokens:
+            now = time.perf_counter()
             drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
             requests, tokens = len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
             decode_only = tokens == requests + drafts  # a step with a prompt in it says little about decoding
-            self._step_started = (time.perf_counter(), requests, tokens, drafts > 0) if decode_only else None
+            if decode_only and self._decode_step_ended is not None:
+                drafter.policy.observe_engine(requests, drafts, now - self._decode_step_ended)
+            self._step_started = (now, requests, tokens, drafts > 0) if decode_only else None
             drafter.last_step_seconds = 0.0
+        self._decode_step_ended = None
         output = run(scheduler_output, *args, **kwargs)
         if output is not None:
             self._end_step(drafter)
@@ -131,12 +139,14 @@ class SpeculativeWorker(internals.platform_worker_class()):
         return trace | {"k_max": drafter.k, "cost_ratio": drafter.policy.cost_ratio()}
 
     def _end_step(self, drafter: DraftProposer | None) -> None:
-        """The target's time this step (the step less the proposer's part), for the step-cost model."""
+        """The target's time this step (the step less the proposer's part), for the step-cost model;
+        and when it ended, for the engine's time until the next step."""
         if drafter is None or self._step_started is None:
             return
         started, requests, tokens, drafted = self._step_started
         self._step_started = None
-        seconds = time.perf_counter() - started - drafter.last_step_seconds
+        self._decode_step_ended = time.perf_counter()
+        seconds = self._decode_step_ended - started - drafter.last_step_seconds
         drafter.policy.observe_target(requests, tokens, drafted, seconds)
 
     def specserve_force_costs(self, overrides: dict | None) -> None:

@@ -150,9 +150,30 @@ def test_a_draft_forward_is_costed_over_every_row_of_the_batch():
     assert policy.costs(1).per_draft_forward == pytest.approx(0.0005 + 0.0001)
     assert policy.costs(16).per_draft_forward == pytest.approx(0.0005 + 16 * 0.0001)
     assert policy.costs(100).per_draft_forward == pytest.approx(0.0005 + 64 * 0.0001)  # beyond max_draft_rows none drafts
-    assert policy.costs(16).per_draft_token == 0
+    assert policy.costs(16).per_draft_token == 0  # nothing observed of the engine yet
     # So in a batch of 16, a draft of 4 for a row the draft predicts well and 1 for the others costs as
     # much drafting as 4 for all: the choice gives the long draft only where its gain pays for that.
     acceptance = np.vstack([np.full((1, 4), 0.9), np.full((15, 4), 0.3)])
     k = choose_draft_lengths(acceptance, policy.costs(16), 4)
     assert k[0] >= k[1:].max()
+
+
+def test_the_engines_time_between_steps_is_a_step_cost():
+    """The scheduler and the output processing run once per step and handle every draft token: a fixed
+    engine cost per step is what drafting amortises (longer drafts), a cost per draft token is what it
+    adds (shorter drafts)."""
+    acceptance = np.full((4, 6), 0.7)
+
+    def chosen(engine_step: float, engine_per_draft_token: float) -> int:
+        policy = SpeculationPolicy("adaptive", max_k=6, rows=4)
+        policy.calibrate_target({1: 0.002, 4: 0.002, 32: 0.004, 64: 0.008})
+        policy.calibrate_draft({1: 0.0004, 16: 0.0012})
+        for requests, drafts in [(4, 0), (4, 8), (4, 24), (2, 4), (3, 12)] * 40:
+            policy.observe_engine(requests, drafts, engine_step + engine_per_draft_token * drafts)
+        costs = policy.costs(4)
+        assert costs.per_draft_token == pytest.approx(engine_per_draft_token, abs=1e-4)
+        return int(choose_draft_lengths(acceptance, costs, 6).sum())
+
+    plain = chosen(0.0, 0.0)
+    assert chosen(0.010, 0.0) > plain
+    assert chosen(0.0, 0.0008) < plain
