@@ -259,6 +259,7 @@ class SpeculationPolicy:
         self.histogram = np.zeros(max_k + 1, dtype=np.int64)  # chosen K per request-step
         self.steps_without_drafts = 0
         self.probes = 0
+        self.forced_k: int | None = None  # every request drafts this many, whatever the mode (`force_k`)
 
     def calibrate_target(self, forward_seconds: dict[int, float]) -> None:
         """Target forward times by scheduled tokens ({1: s, 32: s, ...}): the shape of the forward's cost."""
@@ -306,6 +307,27 @@ class SpeculationPolicy:
             raise ValueError(f"unknown step-cost fields {sorted(unknown)}; known: {list(known)}")
         self.forced = dict(overrides or {})
 
+    def force_k(self, k: int | None) -> None:
+        """Draft k tokens for every request that can, whatever the mode, until forced to None; the costs
+        are still measured. For comparing the choice with each fixed K on one engine (`specserve
+        k-curve`), and for an operator who wants speculation fixed or off without a restart."""
+        if k is not None and not 0 <= k <= self.max_k:
+            raise ValueError(f"a forced K must be in 0..{self.max_k} (K_max), not {k}")
+        self.forced_k = k
+
+    def model_curve(self, requests: int) -> list[dict]:
+        """What the model expects of a batch of this many requests with the engine's acceptance, each
+        drafting K = 0..K_max: step milliseconds and tokens per second."""
+        costs = self.costs(requests)
+        acceptance = np.broadcast_to(self.acceptance.engine_rates(), (requests, self.max_k))
+        curve = []
+        for k in range(self.max_k + 1):
+            lengths = np.full(requests, k)
+            seconds = costs.step_time(lengths)
+            curve.append({"k": k, "step_ms": seconds * 1e3,
+                          "tokens_per_s": float(expected_tokens(acceptance, lengths).sum() / seconds)})
+        return curve
+
     def costs(self, requests: int) -> StepCosts:
         """The step-time model for a batch of this many decoding requests (one token each unless drafted)."""
         step, per_request, plain_scale, verify_scale, drafting = self.target.coefficients()
@@ -331,7 +353,9 @@ class SpeculationPolicy:
         depend on live timings."""
         k = np.zeros(len(candidates), dtype=np.int64)
         eligible = np.nonzero(candidates)[0]
-        if self.mode == "fixed":
+        if self.forced_k is not None:
+            k[eligible] = self.forced_k
+        elif self.mode == "fixed":
             k[eligible] = self.max_k
         elif self.mode == "adaptive" and len(eligible):
             acceptance = self.acceptance.estimate(len(candidates))[eligible]
@@ -365,6 +389,7 @@ class SpeculationPolicy:
             "k_policy": self.mode,
             "chosen_k_histogram": self.histogram.tolist(),
             "probes": self.probes,
+            "forced_k": self.forced_k,
             "target_cost_ms": self.target.summary(),
             "draft_cost_ms": self.draft.summary(),
             "engine_cost_ms": self.engine.summary(),

@@ -155,6 +155,17 @@ class SpeculativeWorker(internals.platform_worker_class()):
         if drafter := self._draft_proposer():
             drafter.policy.force_costs(overrides)
 
+    def specserve_force_k(self, k: int | None) -> None:
+        """Every request drafts k tokens (0: none) until forced to None, whatever the K policy but "off"; the
+        adaptive policy's cost model keeps learning. Through `LLM.collective_rpc("specserve_force_k", args=(k,))`."""
+        if drafter := self._draft_proposer():
+            drafter.policy.force_k(k)
+
+    def specserve_model_curve(self, requests: int) -> list[dict]:
+        """The step-cost model's expectation for a batch of this many requests at each fixed K."""
+        drafter = self._draft_proposer()
+        return drafter.policy.model_curve(requests) if drafter else []
+
     def specserve_stats(self) -> dict:
         """Draft-side counters, for `LLM.collective_rpc("specserve_stats")` and the serving layer."""
         drafter = self._draft_proposer()

@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_trace_arguments(p)
     p.set_defaults(func=_run("specserve.bench_trace"))
 
+    p = sub.add_parser("k-curve", help="one adaptive engine: the adaptive choice against every fixed K on the same "
+                       "prompts, beside the step-cost model's curve")
+    from specserve.k_curve import add_arguments as k_curve_arguments
+
+    k_curve_arguments(p)
+    p.set_defaults(func=_run("specserve.k_curve"))
+
     p = sub.add_parser("verify", help="prove a target/draft pair lossless on this machine and size it")
     from specserve.verify import add_arguments as verify_arguments
 

@@ -207,6 +207,25 @@ def test_policy_switches_speculation_off_when_drafting_costs_too_much_and_back(p
     assert token_ids(back) == plain
 
 
+def test_a_forced_k_drafts_that_many_for_every_request_and_is_lifted(plain_llm, spec_llm):
+    """`specserve_force_k` (what `specserve k-curve` uses): with K forced to 2 every request-step that
+    can draft drafts exactly 2, output still the target's; lifted, the choice is the policy's again."""
+    prompts = held_out_prompts(3)
+    plain = token_ids(plain_llm.generate(prompts, greedy(32)))
+    before = spec_llm.collective_rpc("specserve_stats")[0]["chosen_k_histogram"]
+    spec_llm.collective_rpc("specserve_force_k", args=(2,))
+    try:
+        forced = spec_llm.generate(prompts, greedy(32))
+        during = spec_llm.collective_rpc("specserve_stats")[0]
+    finally:
+        spec_llm.collective_rpc("specserve_force_k", args=(None,))
+    chosen = [a - b for a, b in zip(during["chosen_k_histogram"], before)]
+    assert during["forced_k"] == 2 and chosen[2] >= 3 * 8  # 32 tokens, at most 3 a step
+    assert sum(chosen) == chosen[2]
+    assert token_ids(forced) == plain
+    assert spec_llm.collective_rpc("specserve_stats")[0]["forced_k"] is None
+
+
 def assert_trace_consistent(output, document):
     """The trace's emitted tokens are the completion's; each step emits accepted + 1 tokens (the last
     may be cut by max_tokens or a stop) and accepts a prefix of its drafts."""

@@ -177,3 +177,30 @@ def test_the_engines_time_between_steps_is_a_step_cost():
     plain = chosen(0.0, 0.0)
     assert chosen(0.010, 0.0) > plain
     assert chosen(0.0, 0.0008) < plain
+
+
+def test_a_forced_k_overrides_the_choice_until_lifted():
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=3)
+    policy.calibrate_target({1: 0.002, 32: 0.004})
+    candidates = np.array([True, True, False])
+    policy.force_k(2)
+    assert policy.choose(candidates, 3).tolist() == [2, 2, 0]
+    policy.force_k(0)
+    assert policy.choose(candidates, 3).tolist() == [0, 0, 0]
+    policy.force_k(None)
+    assert policy.summary()["forced_k"] is None
+    with pytest.raises(ValueError, match="0..4"):
+        policy.force_k(5)
+
+
+def test_the_model_curve_is_the_step_model_at_each_fixed_k():
+    policy = SpeculationPolicy("adaptive", max_k=3, rows=4)
+    policy.calibrate_target({1: 0.002, 64: 0.002})  # a flat forward: verifying drafts costs per_draft_token only
+    policy.force_costs({"base": 0.010, "drafting": 0.0, "per_draft_token": 0.001, "per_draft_forward": 0.002})
+    policy.acceptance.engine_accepted[:] = 98.0  # engine rates (98 + 1) / (98 + 2) = 0.99 at every position
+    policy.acceptance.engine_tested[:] = 98.0
+    curve = policy.model_curve(2)
+    assert [point["k"] for point in curve] == [0, 1, 2, 3]
+    assert curve[0]["step_ms"] == pytest.approx(10.0) and curve[0]["tokens_per_s"] == pytest.approx(200.0)
+    assert curve[2]["step_ms"] == pytest.approx(10.0 + 4 * 1.0 + 2 * 2.0)
+    assert curve[2]["tokens_per_s"] == pytest.approx(2 * (1 + 0.99 + 0.99 ** 2) / 0.018)
