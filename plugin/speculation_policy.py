@@ -324,7 +324,7 @@ class SpeculationPolicy:
         for k in range(self.max_k + 1):
             lengths = np.full(requests, k)
             seconds = costs.step_time(lengths)
-            curve.append({"k": k, "step_ms": seconds * 1e3,
+            curve.append({"k": k, "step_ms": float(seconds) * 1e3,  # plain floats: it travels by RPC
                           "tokens_per_s": float(expected_tokens(acceptance, lengths).sum() / seconds)})
         return curve
 

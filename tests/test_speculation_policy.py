@@ -1,6 +1,7 @@
 """The speculation policy as pure functions, against a synthetic step-cost model."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -200,6 +201,7 @@ def test_the_model_curve_is_the_step_model_at_each_fixed_k():
     policy.acceptance.engine_accepted[:] = 98.0  # engine rates (98 + 1) / (98 + 2) = 0.99 at every position
     policy.acceptance.engine_tested[:] = 98.0
     curve = policy.model_curve(2)
+    json.dumps(curve)  # it travels by vLLM's RPC, which takes plain types only
     assert [point["k"] for point in curve] == [0, 1, 2, 3]
     assert curve[0]["step_ms"] == pytest.approx(10.0) and curve[0]["tokens_per_s"] == pytest.approx(200.0)
     assert curve[2]["step_ms"] == pytest.approx(10.0 + 4 * 1.0 + 2 * 2.0)
