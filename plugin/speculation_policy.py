@@ -311,7 +311,7 @@ class SpeculationPolicy:
         """Draft k tokens for every request that can, whatever the mode, until forced to None; the costs
         are still measured. For comparing the choice with each fixed K on one engine (`specserve
         k-curve`), and for an operator who wants speculation fixed or off without a restart."""
-        if k is not None and not 0 <= k <= self.max_k:
+        if k is not None and not (isinstance(k, int) and 0 <= k <= self.max_k):
             raise ValueError(f"a forced K must be in 0..{self.max_k} (K_max), not {k}")
         self.forced_k = k
 

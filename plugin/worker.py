@@ -11,8 +11,8 @@ in `plugin.engine_plugin`).
 For the adaptive speculation policy it also times every decode step: the target's share (the step,
 from execute_model to the end of sample_tokens, less the proposer's own time) against the requests,
 tokens and drafts the scheduler gave it, and the engine's time from one decode step's end to the
-next one's start (the scheduler and the output processing, which handle every draft token); and once at start-up, after vLLM's warm-up, the target's
-forward at a range of token counts. Fixed-K and "off" engines need no costs and skip both.
+next one's start (the scheduler and the output processing, which handle every draft token); and once
+at start-up, after vLLM's warm-up, the target's forward at a range of token counts. Fixed-K and "off" engines need no costs and skip both.
 
 Requests that ask for a trace (`plugin.trace`) have each step recorded from what the scheduler sent to
 verify and what the step emitted; `specserve_take_trace` hands a finished trace over. A step with no
@@ -156,8 +156,9 @@ class SpeculativeWorker(internals.platform_worker_class()):
             drafter.policy.force_costs(overrides)
 
     def specserve_force_k(self, k: int | None) -> None:
-        """Every request drafts k tokens (0: none) until forced to None, whatever the K policy but "off"; the
-        adaptive policy's cost model keeps learning. Through `LLM.collective_rpc("specserve_force_k", args=(k,))`."""
+        """Every request drafts k tokens (0: none) until forced to None, whatever the K policy but "off";
+        the adaptive policy's cost model keeps learning. Through
+        `LLM.collective_rpc("specserve_force_k", args=(k,))`."""
         if drafter := self._draft_proposer():
             drafter.policy.force_k(k)
 

@@ -127,7 +127,8 @@ def measure_point(llm, name, prompts, batch, temperature, new_tokens, requests_p
     return row
 
 
-def _start(kwargs, prompts):
+def start_engine(kwargs, prompts):
+    """An offline engine from these kwargs, warmed up on two prompts."""
     from vllm import SamplingParams
 
     llm = start_llm(seed=0, **kwargs)
@@ -136,7 +137,7 @@ def _start(kwargs, prompts):
 
 
 def run_config(name, kwargs, prompts, batch_sizes, temperatures, new_tokens, requests_per_point, log):
-    llm = _start(kwargs, prompts)
+    llm = start_engine(kwargs, prompts)
     rows = []
     try:
         for temperature in temperatures:
@@ -158,7 +159,7 @@ def run_interleaved(specs: dict[str, dict], prompts, batch_sizes, temperatures, 
     try:
         for name, kwargs in specs.items():
             log({"starting": name})
-            engines[name] = _start(kwargs, prompts)
+            engines[name] = start_engine(kwargs, prompts)
         first_prompt = 0
         for r in range(rounds):
             for temperature in temperatures:

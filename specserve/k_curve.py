@@ -11,50 +11,36 @@ curve peaks, how flat it is near the top, and whether the model's curve has the 
 import json
 import random
 import sys
-import time
 
 from deployment.defaults import DEMO_NUM_SPECULATIVE_TOKENS
 from loadtest import load_prompts
-from specserve.bench import configurations, requests_at, run_concurrently
-from specserve.engines import shutdown_llm, start_llm
+from specserve.bench import configurations, measure_point, requests_at, start_engine
+from specserve.engines import shutdown_llm
 
 ADAPTIVE = "adaptive"
 
 
-def measure(llm, k, prompts: list[str], params, batch: int) -> dict:
-    """Tokens/s and mean acceptance length with every request at K = k (None: the adaptive choice)."""
-    llm.collective_rpc("specserve_force_k", args=(k,))
-    start = time.perf_counter()
-    totals = run_concurrently(llm, prompts, params, batch)
-    seconds = time.perf_counter() - start
-    drafts = totals["spec_steps"]
-    return {"k": ADAPTIVE if k is None else k, "tokens_per_s": totals["tokens"] / seconds,
-            "mean_acceptance_length": 1 + totals["accepted"] / drafts if drafts else None}
-
-
 def run(batch_sizes: list[int], k_max: int, rounds: int, temperature: float, new_tokens: int, log, seed: int = 0) -> list[dict]:
-    from vllm import SamplingParams
-
     prompts = [p["prompt"] for p in load_prompts()]
-    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True)
-    llm = start_llm(seed=0, **configurations(k_max)["specserve"], enable_prefix_caching=False)
+    llm = start_engine(configurations(k_max)["specserve"] | {"enable_prefix_caching": False}, prompts)
     order_rng, rows, first = random.Random(seed), [], 0
     try:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         for r in range(rounds):
             for batch in batch_sizes:
-                n = requests_at(batch)
-                chunk = [prompts[(first + i) % len(prompts)] for i in range(n)]
                 ks = [None, *range(k_max + 1)]
                 order_rng.shuffle(ks)
-                for k in ks:
-                    row = measure(llm, k, chunk, params, batch) | {"batch": batch, "round": r}
+                for k in ks:  # every K on the same prompts: this round's, from `first`
+                    llm.collective_rpc("specserve_force_k", args=(k,))
+                    point = measure_point(llm, "specserve", prompts, batch, temperature, new_tokens, 0, first)
+                    row = {"k": ADAPTIVE if k is None else k, "batch": batch, "round": r,
+                           "tokens_per_s": point["tokens_per_s"],
+                           "mean_acceptance_length": point["mean_acceptance_length"]}
                     rows.append(row)
                     log(row)
                 model = llm.collective_rpc("specserve_model_curve", args=(batch,))[0]
-                rows += [{"k": point["k"], "batch": batch, "round": r, "model_step_ms": point["step_ms"],
-                          "model_tokens_per_s": point["tokens_per_s"]} for point in model]
-                first += n
+                rows += [{"k": m["k"], "batch": batch, "round": r, "model_step_ms": m["step_ms"],
+                          "model_tokens_per_s": m["tokens_per_s"]} for m in model]
+                first += requests_at(batch)
     finally:
         llm.collective_rpc("specserve_force_k", args=(None,))
         shutdown_llm(llm)
@@ -107,11 +93,13 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    if args.k < 1 or args.rounds < 1:
-        print("specserve k-curve: need --k >= 1 and --rounds >= 1", file=sys.stderr)
+    batch_sizes = [b.strip() for b in args.batch_sizes.split(",")]
+    if args.k < 1 or args.rounds < 1 or not all(b.isdigit() and int(b) > 0 for b in batch_sizes):
+        print("specserve k-curve: need --k >= 1, --rounds >= 1 and --batch-sizes as positive integers (1,4,16)",
+              file=sys.stderr)
         return 2
     log = lambda r: print(f"[k-curve] {r}", file=sys.stderr, flush=True)  # noqa: E731
-    rows = run([int(b) for b in args.batch_sizes.split(",")], args.k, args.rounds, args.temperature, args.new_tokens, log)
+    rows = run([int(b) for b in batch_sizes], args.k, args.rounds, args.temperature, args.new_tokens, log)
     summary = summarise(rows)
     print_summary(summary)
     if args.json:
