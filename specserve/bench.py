@@ -264,8 +264,7 @@ def main(args) -> int:
     import sys
 
     prompts = [p["prompt"] for p in load_prompts()]
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    batch_sizes, temperatures = args.batch_sizes, args.temperatures
     known = configurations(args.k)
     names = args.configs.split(",") if args.configs else ["plain", "specserve", "specserve-fixed", "vllm-draft_model", "vllm-ngram"]
 

@@ -49,7 +49,7 @@ def measure(batch: int, k: int, vocab: int, iters: int, device: str = "cpu") -> 
 
 def main(args) -> int:
     torch.manual_seed(0)
-    rows = [measure(int(b), args.k, args.vocab, args.iters) for b in args.batch_sizes.split(",")]
+    rows = [measure(b, args.k, args.vocab, args.iters) for b in args.batch_sizes]
     print(f"exact rejection sampler vs softmax+multinomial, K={args.k}, vocab={args.vocab}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'batch':>6} {'plain ms':>10} {'exact ms':>10} {'ratio':>7}")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from deployment.defaults import MODELS_DIR
+from specserve.arguments import positive_ints, temperatures
 from loadtest import PROMPTS_FILE
 
 
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_math)
 
     p = sub.add_parser("bench-sampler", help="time the exact rejection sampler against plain sampling")
-    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,8,32,64")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--iters", type=int, default=30)
@@ -80,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="plain vLLM vs this plugin vs vLLM's draft_model and ngram methods")
     p.add_argument("--k", type=int, default=6, help="num_speculative_tokens: K_max for adaptive K (the demo pair's default)")
-    p.add_argument("--batch-sizes", default="1,4,16,32")
-    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,4,16,32")
+    p.add_argument("--temperatures", type=temperatures, default="0,0.7")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=0,
                    help="requests per (batch size, temperature) point (default: max(16, 3 x batch size))")

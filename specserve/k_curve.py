@@ -14,6 +14,7 @@ import sys
 
 from deployment.defaults import DEMO_NUM_SPECULATIVE_TOKENS
 from loadtest import load_prompts
+from specserve.arguments import positive_ints
 from specserve.bench import configurations, measure_point, requests_at, start_engine
 from specserve.engines import shutdown_llm
 
@@ -84,7 +85,7 @@ def print_summary(summary: list[dict]) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--batch-sizes", default="1,4,16", help="requests in flight")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,4,16", help="requests in flight")
     p.add_argument("--k", type=int, default=DEMO_NUM_SPECULATIVE_TOKENS, help="K_max: fixed K runs 0..K_max")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -93,13 +94,11 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    batch_sizes = [b.strip() for b in args.batch_sizes.split(",")]
-    if args.k < 1 or args.rounds < 1 or not all(b.isdigit() and int(b) > 0 for b in batch_sizes):
-        print("specserve k-curve: need --k >= 1, --rounds >= 1 and --batch-sizes as positive integers (1,4,16)",
-              file=sys.stderr)
+    if args.k < 1 or args.rounds < 1:
+        print("specserve k-curve: need --k >= 1 and --rounds >= 1", file=sys.stderr)
         return 2
     log = lambda r: print(f"[k-curve] {r}", file=sys.stderr, flush=True)  # noqa: E731
-    rows = run([int(b) for b in batch_sizes], args.k, args.rounds, args.temperature, args.new_tokens, log)
+    rows = run(args.batch_sizes, args.k, args.rounds, args.temperature, args.new_tokens, log)
     summary = summarise(rows)
     print_summary(summary)
     if args.json:

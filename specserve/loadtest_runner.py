@@ -21,6 +21,7 @@ import httpx
 from deployment.defaults import REPO_ROOT
 from loadtest import _options, auth_headers
 from loadtest._report import BASELINE, BASELINE_REPEAT, capacity, engine_counters, speedups, summarize, write_outputs
+from specserve.arguments import positive_ints
 from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready
 
 USER_CLASS = {"speculative": "SpeculativeUser", "baseline": "BaselineUser"}
@@ -98,7 +99,6 @@ def main(args) -> int:
     out = Path(args.out)
     (out / "locust").mkdir(parents=True, exist_ok=True)
     (out / "samples.csv").unlink(missing_ok=True)
-    levels = [int(c) for c in args.concurrency.split(",")]
     server = None
     if not is_ready(args.host):
         log(f"nothing answers at {args.host}; starting serve run {args.config}")
@@ -109,7 +109,7 @@ def main(args) -> int:
         for label, user_class, model in plan_targets(args):
             warm_up(args.host, model)
             memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host)}
-            for c in levels:
+            for c in args.concurrency:
                 log(f"{label} ({model}): concurrency {c} for {args.duration} s")
                 before = speculation_stats(args.host, model)
                 run_level(out, args.host, label, c, args.duration, args, user_class, model)
@@ -125,8 +125,8 @@ def main(args) -> int:
     with open(out / "samples.csv") as f:
         samples = list(csv.DictReader(f))
     summary = summarize(samples)
-    for label, levels_ in engine.items():
-        for c, counters in levels_.items():
+    for label, levels in engine.items():
+        for c, counters in levels.items():
             summary[label][c]["engine"] = counters
     speed = speedups(summary)
     plan = capacity(summary, args.slo_p95_e2e, args.target_rps) if args.slo_p95_e2e else None
@@ -147,7 +147,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", help="more speculative model ids to measure like the speculative one "
                    "(e.g. specserve-k2,specserve-k4,specserve-k6 of configs/k-sweep.yaml)")
     p.add_argument("--repeat-baseline", action="store_true", help="measure the baseline again at the end: the noise band")
-    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8,16")
     p.add_argument("--duration", type=int, default=30, help="seconds per target and concurrency level")
     p.add_argument("--slo-p95-e2e", type=float, help="SLO on P95 end-to-end latency, seconds")
     p.add_argument("--target-rps", type=float, help="request rate to size replicas for")

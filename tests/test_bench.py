@@ -49,3 +49,23 @@ def test_a_configuration_the_speculator_refuses_is_a_clear_error(capsys):
     args = build_parser().parse_args(["bench", "--configs", "specserve-fixed:x"])
     assert args.func(args) == 2
     assert "unknown configs ['specserve-fixed:x']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--batch-sizes", "1,x"], ["bench", "--batch-sizes", "0,4"],
+                                  ["bench", "--temperatures", "0,-1"], ["k-curve", "--batch-sizes", "4,"],
+                                  ["loadtest", "--concurrency", "1,2.5"], ["bench-sampler", "--batch-sizes", ""]])
+def test_a_malformed_number_list_is_refused_by_the_parser(argv, capsys):
+    from specserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert "separated by commas" in capsys.readouterr().err
+
+
+def test_number_lists_parse_to_numbers():
+    from specserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--batch-sizes", "1, 4,16", "--temperatures", "0,0.7"])
+    assert args.batch_sizes == [1, 4, 16] and args.temperatures == [0.0, 0.7]
+    assert build_parser().parse_args(["loadtest", "--out", "out/x"]).concurrency == [1, 2, 4, 8, 16]
