@@ -105,6 +105,14 @@ def time_target_forward(runner, num_tokens: int, repeats: int = 3) -> float:
     return float(np.median(times[1:]))
 
 
+def profile_runner_phases(runner, profile) -> None:
+    """Time the target's forward and the step's sampling (verification included) as step-profile phases:
+    the runner's `_model_forward` and `_sample` are the only calls that hold exactly these, and both are
+    private."""
+    runner._model_forward = profile.timed("target_forward", runner._model_forward)
+    runner._sample = profile.timed("verify", runner._sample)
+
+
 def hook_runner_steps(runner, execute_model, sample_tokens) -> None:
     """Route the runner's two step calls through the worker's hooks, each given the original bound method
     first. Hooks on the worker's own methods would miss steps: the Ray executor's compiled graph calls

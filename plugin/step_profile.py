@@ -1,12 +1,20 @@
-"""Where the milliseconds of a draft step go: seconds per phase, summed over steps. Opt-in (the
-speculator's `profile_steps` option), since on a GPU honest phase times need a device sync per phase."""
+"""Where the milliseconds of an engine step go: seconds per phase, summed over steps. Opt-in (the
+speculator's `profile_steps` option), since on a GPU honest phase times need a device sync per phase.
+
+The draft step's phases (the proposer times them), and two of the target's: its forward over the
+step's tokens, and sampling with verification (the rejection sampler, or the plain sampler when
+nothing drafted), timed around the model runner's own calls (`internals.profile_runner_phases`). What
+the step spends beyond these is the runner's input preparation and the engine's scheduling and output
+processing."""
 
 import contextlib
 import time
 
 import torch
 
-PHASES = ("follow_rows", "plan", "catch_up", "draft_forward", "sampling", "commit")
+DRAFT_PHASES = ("follow_rows", "plan", "catch_up", "draft_forward", "sampling", "commit")
+TARGET_PHASES = ("target_forward", "verify")
+PHASES = TARGET_PHASES + DRAFT_PHASES
 _OFF = contextlib.nullcontext()
 
 
@@ -18,6 +26,14 @@ class StepProfile:
 
     def phase(self, name: str):
         return self._timed(name) if self.enabled else _OFF
+
+    def timed(self, name: str, call):
+        """call, with its time counted to phase name."""
+        def run(*args, **kwargs):
+            with self._timed(name):
+                return call(*args, **kwargs)
+
+        return run
 
     @contextlib.contextmanager
     def _timed(self, name: str):

@@ -52,6 +52,8 @@ class SpeculativeWorker(internals.platform_worker_class()):
         if drafter := self._draft_proposer():
             drafter.attach(self.model_runner)
             internals.hook_runner_steps(self.model_runner, self._execute_model, self._sample_tokens)
+            if drafter.profile.enabled:
+                internals.profile_runner_phases(self.model_runner, drafter.profile)
         return result
 
     def _draft_proposer(self) -> DraftProposer | None:

@@ -51,12 +51,16 @@ def _draft_stats(llm, ours: bool) -> dict | None:
 
 
 def step_profile(before: dict, after: dict, seconds: float) -> dict:
-    """Per draft step: ms in each phase and in all drafting, and drafting's share of the wall time."""
+    """Per engine step: ms in each phase (the target's forward, verification, the draft's phases), in all
+    drafting, and in the rest (input preparation, scheduling, output processing); drafting's share of the
+    wall time."""
     steps = max(after["steps"] - before["steps"], 1)
-    phases = {name: (after["profile_seconds"][name] - before["profile_seconds"][name]) * 1e3 / steps
+    phases = {name: (after["profile_seconds"][name] - before["profile_seconds"].get(name, 0.0)) * 1e3 / steps
               for name in after["profile_seconds"]}
     draft_s = after["draft_seconds"] - before["draft_seconds"]
-    return {"steps": steps, "step_ms": seconds * 1e3 / steps, "draft_ms": draft_s * 1e3 / steps,
+    step_ms, draft_ms = seconds * 1e3 / steps, draft_s * 1e3 / steps
+    other_ms = step_ms - draft_ms - phases.get("target_forward", 0.0) - phases.get("verify", 0.0)
+    return {"steps": steps, "step_ms": step_ms, "draft_ms": draft_ms, "other_ms": other_ms,
             "draft_share": draft_s / seconds, "phases_ms": phases}
 
 
@@ -225,15 +229,27 @@ def print_table(rows):
               f"{ratio(r['tokens_per_s'], plain.get(point)):>10}{ratio(r['tokens_per_s'], draft_model.get(point)):>16}"
               f"{mal:>12}{rate:>12}{flag}  {k_shares(r.get('k_histogram'))}")
     print(NOT_LIKE_FOR_LIKE)
+    print_profile(rows)
+
+
+def print_profile(rows) -> None:
+    """The step profile of every profiled point (ours, with --profile), one line each."""
+    from plugin.step_profile import TARGET_PHASES  # imports torch: not at `specserve` start-up
+
     profiled = [r for r in rows if "profile" in r]
     if profiled:
-        phases = list(profiled[0]["profile"]["phases_ms"])
-        print("\nspecserve draft step profile, ms per engine step (draft share = drafting / wall time)")
-        print(f"{'batch':>6}{'temp':>6}{'step':>8}{'draft':>8}{'share':>7}" + "".join(f"{p:>14}" for p in phases))
+        target = [p for p in TARGET_PHASES if p in profiled[0]["profile"]["phases_ms"]]
+        draft = [p for p in profiled[0]["profile"]["phases_ms"] if p not in TARGET_PHASES]
+        print("\nspecserve step profile, ms per engine step: the target's forward and verification, drafting "
+              "(its share of the wall time, then its phases), and the rest (inputs, scheduling, outputs)")
+        print(f"{'config':<22}{'batch':>6}{'temp':>6}{'round':>6}{'step':>8}" + "".join(f"{p:>16}" for p in target)
+              + f"{'draft':>8}{'share':>7}" + "".join(f"{p:>14}" for p in draft) + f"{'rest':>8}")
         for r in profiled:
             prof = r["profile"]
-            print(f"{r['batch']:>6}{r['temperature']:>6.1f}{prof['step_ms']:>8.2f}{prof['draft_ms']:>8.2f}"
-                  f"{prof['draft_share']:>7.0%}" + "".join(f"{prof['phases_ms'][p]:>14.3f}" for p in phases))
+            print(f"{r['config']:<22}{r['batch']:>6}{r['temperature']:>6.1f}{r.get('round', 0):>6}{prof['step_ms']:>8.2f}"
+                  + "".join(f"{prof['phases_ms'][p]:>16.3f}" for p in target)
+                  + f"{prof['draft_ms']:>8.2f}{prof['draft_share']:>7.0%}"
+                  + "".join(f"{prof['phases_ms'][p]:>14.3f}" for p in draft) + f"{prof['other_ms']:>8.2f}")
 
 
 def print_rounds_table(rows):
@@ -286,6 +302,7 @@ def main(args) -> int:
     if args.rounds > 1:
         rows = run_interleaved(specs, prompts, batch_sizes, temperatures, args.new_tokens, args.requests, args.rounds, log)
         print_rounds_table(rows)
+        print_profile(rows)
     else:
         rows = []
         for name, kwargs in specs.items():

@@ -69,3 +69,48 @@ def test_number_lists_parse_to_numbers():
     args = build_parser().parse_args(["bench", "--batch-sizes", "1, 4,16", "--temperatures", "0,0.7"])
     assert args.batch_sizes == [1, 4, 16] and args.temperatures == [0.0, 0.7]
     assert build_parser().parse_args(["loadtest", "--out", "out/x"]).concurrency == [1, 2, 4, 8, 16]
+
+
+def test_the_step_profile_splits_a_step_into_target_draft_and_the_rest():
+    from specserve.bench import step_profile
+
+    before = {"steps": 10, "draft_seconds": 1.0, "profile_seconds": {"target_forward": 2.0, "verify": 0.5, "catch_up": 0.4}}
+    after = {"steps": 110, "draft_seconds": 1.3, "profile_seconds": {"target_forward": 2.8, "verify": 0.6, "catch_up": 0.5}}
+    prof = step_profile(before, after, seconds=1.5)  # 100 steps of 15 ms
+    assert prof["step_ms"] == pytest.approx(15.0) and prof["draft_ms"] == pytest.approx(3.0)
+    assert prof["phases_ms"] == pytest.approx({"target_forward": 8.0, "verify": 1.0, "catch_up": 1.0})
+    assert prof["other_ms"] == pytest.approx(15.0 - 3.0 - 8.0 - 1.0)
+
+
+def test_the_profile_table_puts_the_targets_phases_first_and_the_rest_last(capsys):
+    from specserve.bench import print_profile
+
+    phases = {"target_forward": 8.0, "verify": 1.0, "follow_rows": 0.01, "catch_up": 1.0}
+    print_profile([{"config": "specserve", "batch": 1, "temperature": 0.0, "round": 2,
+                    "profile": {"step_ms": 15.0, "draft_ms": 3.0, "other_ms": 3.0, "draft_share": 0.2, "phases_ms": phases}}])
+    header, line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert header.split() == ["config", "batch", "temp", "round", "step", "target_forward", "verify", "draft", "share",
+                              "follow_rows", "catch_up", "rest"]
+    assert line.split() == ["specserve", "1", "0.0", "2", "15.00", "8.000", "1.000", "3.00", "20%", "0.010", "1.000", "3.00"]
+
+
+@pytest.mark.slow
+def test_a_profiled_point_times_the_targets_forward_verification_and_each_draft_phase():
+    """`specserve bench --profile` on a real engine: every phase of the step is timed, and the parts
+    add up to no more than the step."""
+    from loadtest import load_prompts
+    from specserve.bench import measure_point, start_engine
+    from specserve.engines import shutdown_llm
+
+    prompts = [p["prompt"] for p in load_prompts()]
+    llm = start_engine(config_kwargs("specserve-fixed:3", 6, True), prompts)
+    try:
+        row = measure_point(llm, "specserve-fixed:3", prompts, batch=2, temperature=0.0, new_tokens=24, requests_per_point=4)
+    finally:
+        shutdown_llm(llm)
+    prof = row["profile"]
+    phases = prof["phases_ms"]
+    for phase in ("target_forward", "verify", "catch_up", "draft_forward", "sampling", "commit"):
+        assert phases[phase] > 0, phase
+    assert phases["target_forward"] + phases["verify"] + prof["draft_ms"] < prof["step_ms"]
+    assert 0 < prof["other_ms"] < prof["step_ms"]
