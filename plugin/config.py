@@ -77,8 +77,9 @@ def speculative_engine_kwargs(
     fault_injection_rate: share of steps whose drafting fails on purpose (tests only).
     compile_draft: "auto" (compiled one-token draft decode on CUDA, eager on CPU), "on" or "off"; a compile
         failure falls back to eager.
-    profile_steps: time each phase of the draft step (specserve_stats' profile_seconds; `specserve bench
-        --profile`); off by default, since on a GPU it synchronises the device per phase.
+    profile_steps: time each phase of the engine step, the target's forward and verification beside the
+        draft's phases (specserve_stats' profile_seconds; `specserve bench --profile`); off by default,
+        since on a GPU it synchronises the device per phase.
     """
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be at least 1")
