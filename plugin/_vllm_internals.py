@@ -106,10 +106,12 @@ def time_target_forward(runner, num_tokens: int, repeats: int = 3) -> float:
 
 
 def profile_runner_phases(runner, profile) -> None:
-    """Time the target's forward and the step's sampling (verification included) as step-profile phases:
-    the runner's `_model_forward` and `_sample` are the only calls that hold exactly these, and both are
-    private."""
+    """Time the target's forward with its logits and the step's sampling (verification included) as
+    step-profile phases: the runner's `_model_forward`, its model's `compute_logits` (called after the
+    forward, for the sampled positions) and `_sample` are the only calls that hold exactly these; the
+    first and last are private."""
     runner._model_forward = profile.timed("target_forward", runner._model_forward)
+    runner.model.compute_logits = profile.timed("target_forward", runner.model.compute_logits)
     runner._sample = profile.timed("verify", runner._sample)
 
 

@@ -2,10 +2,10 @@
 speculator's `profile_steps` option), since on a GPU honest phase times need a device sync per phase.
 
 The draft step's phases (the proposer times them), and two of the target's: its forward over the
-step's tokens, and sampling with verification (the rejection sampler, or the plain sampler when
-nothing drafted), timed around the model runner's own calls (`internals.profile_runner_phases`). What
-the step spends beyond these is the runner's input preparation and the engine's scheduling and output
-processing."""
+step's tokens with the logits of the sampled positions, and sampling with verification (the rejection
+sampler, or the plain sampler when nothing drafted), timed around the model runner's own calls
+(`internals.profile_runner_phases`). What the step spends beyond these is the rest: the runner's input
+preparation and bookkeeping, the engine's scheduling and output processing."""
 
 import contextlib
 import time

@@ -2,7 +2,7 @@
 # Before rollout, on one GPU node of your cluster with your model hub: prove the speculator on your own
 # pair and measure it. Greedy text equal to plain vLLM's and the temperature-1 distribution test in the
 # engine (tests/test_engine.py), the CUDA checks (tests/test_gpu.py), then `specserve bench` of plain
-# vLLM, this plugin and vLLM's own draft_model at batch 1, 4 and 16, with the draft step's profile.
+# vLLM, this plugin and vLLM's own draft_model at batch 1, 4 and 16, with the step's profile (target, verification, each draft phase).
 #
 #   TARGET=Qwen/Qwen2.5-7B-Instruct DRAFT=Qwen/Qwen2.5-0.5B-Instruct ./scripts/gpu-cluster-check.sh
 #

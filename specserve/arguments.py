@@ -2,12 +2,13 @@
 (usage, a one-line reason, exit 2) instead of a traceback from deep inside a benchmark."""
 
 import argparse
+import math
 
 
 def positive_ints(text: str) -> list[int]:
     """"1,4,16" -> [1, 4, 16]; every item a whole number of at least 1."""
     items = [item.strip() for item in text.split(",")]
-    if not all(item.isdigit() and int(item) > 0 for item in items):
+    if not all(item.isascii() and item.isdigit() and int(item) > 0 for item in items):
         raise argparse.ArgumentTypeError(f"{text!r}: want positive whole numbers separated by commas, as in 1,4,16")
     return [int(item) for item in items]
 
@@ -18,6 +19,6 @@ def temperatures(text: str) -> list[float]:
         values = [float(item) for item in text.split(",")]
     except ValueError:
         values = []
-    if not values or not all(v >= 0 for v in values):
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: want temperatures of at least 0 separated by commas, as in 0,0.7")
     return values

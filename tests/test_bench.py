@@ -53,7 +53,8 @@ def test_a_configuration_the_speculator_refuses_is_a_clear_error(capsys):
 
 @pytest.mark.parametrize("argv", [["bench", "--batch-sizes", "1,x"], ["bench", "--batch-sizes", "0,4"],
                                   ["bench", "--temperatures", "0,-1"], ["k-curve", "--batch-sizes", "4,"],
-                                  ["loadtest", "--concurrency", "1,2.5"], ["bench-sampler", "--batch-sizes", ""]])
+                                  ["loadtest", "--concurrency", "1,2.5"], ["bench-sampler", "--batch-sizes", ""],
+                                  ["bench", "--batch-sizes", "\u00b2"], ["bench", "--temperatures", "inf"]])
 def test_a_malformed_number_list_is_refused_by_the_parser(argv, capsys):
     from specserve.cli import build_parser
 
@@ -79,7 +80,7 @@ def test_the_step_profile_splits_a_step_into_target_draft_and_the_rest():
     prof = step_profile(before, after, seconds=1.5)  # 100 steps of 15 ms
     assert prof["step_ms"] == pytest.approx(15.0) and prof["draft_ms"] == pytest.approx(3.0)
     assert prof["phases_ms"] == pytest.approx({"target_forward": 8.0, "verify": 1.0, "catch_up": 1.0})
-    assert prof["other_ms"] == pytest.approx(15.0 - 3.0 - 8.0 - 1.0)
+    assert prof["rest_ms"] == pytest.approx(15.0 - 3.0 - 8.0 - 1.0)
 
 
 def test_the_profile_table_puts_the_targets_phases_first_and_the_rest_last(capsys):
@@ -87,7 +88,7 @@ def test_the_profile_table_puts_the_targets_phases_first_and_the_rest_last(capsy
 
     phases = {"target_forward": 8.0, "verify": 1.0, "follow_rows": 0.01, "catch_up": 1.0}
     print_profile([{"config": "specserve", "batch": 1, "temperature": 0.0, "round": 2,
-                    "profile": {"step_ms": 15.0, "draft_ms": 3.0, "other_ms": 3.0, "draft_share": 0.2, "phases_ms": phases}}])
+                    "profile": {"step_ms": 15.0, "draft_ms": 3.0, "rest_ms": 3.0, "draft_share": 0.2, "phases_ms": phases}}])
     header, line = capsys.readouterr().out.strip().splitlines()[-2:]
     assert header.split() == ["config", "batch", "temp", "round", "step", "target_forward", "verify", "draft", "share",
                               "follow_rows", "catch_up", "rest"]
@@ -113,4 +114,31 @@ def test_a_profiled_point_times_the_targets_forward_verification_and_each_draft_
     for phase in ("target_forward", "verify", "catch_up", "draft_forward", "sampling", "commit"):
         assert phases[phase] > 0, phase
     assert phases["target_forward"] + phases["verify"] + prof["draft_ms"] < prof["step_ms"]
-    assert 0 < prof["other_ms"] < prof["step_ms"]
+    assert 0 < prof["rest_ms"] < prof["step_ms"]
+
+
+def test_the_runners_forward_logits_and_sampling_are_timed_as_the_targets_phases():
+    """`profile_runner_phases` on a stand-in runner: each call still returns its result, and its time
+    goes to the right phase (the forward and the logits both to the target's forward)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from plugin import _vllm_internals as internals
+    from plugin.step_profile import StepProfile
+
+    def slow(result):
+        def call(*args, **kwargs):
+            time.sleep(0.01)
+            return result, args, kwargs
+        return call
+
+    runner = SimpleNamespace(_model_forward=slow("hidden"), _sample=slow("tokens"), model=SimpleNamespace(compute_logits=slow("logits")))
+    profile = StepProfile(torch.device("cpu"), enabled=True)
+    internals.profile_runner_phases(runner, profile)
+    assert runner._model_forward(1, x=2) == ("hidden", (1,), {"x": 2})
+    assert runner.model.compute_logits(3) == ("logits", (3,), {})
+    assert runner._sample(4) == ("tokens", (4,), {})
+    assert profile.seconds["target_forward"] >= 0.02 and 0.01 <= profile.seconds["verify"] < 0.02
+    assert profile.seconds["catch_up"] == 0.0
