@@ -12,7 +12,8 @@ For the adaptive speculation policy it also times every decode step: the target'
 from execute_model to the end of sample_tokens, less the proposer's own time) against the requests,
 tokens and drafts the scheduler gave it, and the engine's time from one decode step's end to the
 next one's start (the scheduler and the output processing, which handle every draft token); and once
-at start-up, after vLLM's warm-up, the target's forward at a range of token counts. Fixed-K and "off" engines need no costs and skip both.
+at start-up, after vLLM's warm-up, the target's forward at a range of token counts. Fixed-K and "off"
+engines need no costs and skip both.
 
 Requests that ask for a trace (`plugin.trace`) have each step recorded from what the scheduler sent to
 verify and what the step emitted; `specserve_take_trace` hands a finished trace over. A step with no

@@ -59,7 +59,7 @@ def step_profile(before: dict, after: dict, seconds: float) -> dict:
               for name in after["profile_seconds"]}
     draft_s = after["draft_seconds"] - before["draft_seconds"]
     step_ms, draft_ms = seconds * 1e3 / steps, draft_s * 1e3 / steps
-    rest_ms = step_ms - draft_ms - phases.get("target_forward", 0.0) - phases.get("verify", 0.0)
+    rest_ms = step_ms - draft_ms - phases["target_forward"] - phases["verify"]
     return {"steps": steps, "step_ms": step_ms, "draft_ms": draft_ms, "rest_ms": rest_ms,
             "draft_share": draft_s / seconds, "phases_ms": phases}
 
@@ -238,17 +238,16 @@ def print_profile(rows) -> None:
 
     profiled = [r for r in rows if "profile" in r]
     if profiled:
-        target = [p for p in TARGET_PHASES if p in profiled[0]["profile"]["phases_ms"]]
         draft = [p for p in profiled[0]["profile"]["phases_ms"] if p not in TARGET_PHASES]
         print("\nspecserve step profile, ms per engine step: the target's forward (with its logits) and "
               "verification, drafting (its share of the wall time, then its phases), and the rest (inputs, "
               "bookkeeping, scheduling, outputs)")
-        print(f"{'config':<22}{'batch':>6}{'temp':>6}{'round':>6}{'step':>8}" + "".join(f"{p:>16}" for p in target)
+        print(f"{'config':<22}{'batch':>6}{'temp':>6}{'round':>6}{'step':>8}" + "".join(f"{p:>16}" for p in TARGET_PHASES)
               + f"{'draft':>8}{'share':>7}" + "".join(f"{p:>14}" for p in draft) + f"{'rest':>8}")
         for r in profiled:
             prof = r["profile"]
             print(f"{r['config']:<22}{r['batch']:>6}{r['temperature']:>6.1f}{r.get('round', '-'):>6}{prof['step_ms']:>8.2f}"
-                  + "".join(f"{prof['phases_ms'][p]:>16.3f}" for p in target)
+                  + "".join(f"{prof['phases_ms'][p]:>16.3f}" for p in TARGET_PHASES)
                   + f"{prof['draft_ms']:>8.2f}{prof['draft_share']:>7.0%}"
                   + "".join(f"{prof['phases_ms'][p]:>14.3f}" for p in draft) + f"{prof['rest_ms']:>8.2f}")
 

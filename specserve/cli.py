@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from deployment.defaults import MODELS_DIR
-from specserve.arguments import positive_ints, temperatures
 from loadtest import PROMPTS_FILE
+from specserve.arguments import positive_ints, temperatures
 
 
 def _cmd_math(args) -> int:
