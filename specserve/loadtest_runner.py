@@ -38,9 +38,11 @@ def plan_targets(args) -> list[tuple[str, str, str]]:
 
 
 def speculation_stats(url: str, model: str) -> dict | None:
-    """The model's engine counters from /v1/specserve/stats, or None when it does not speculate."""
+    """The model's engine counters from /v1/specserve/stats, or None when it does not speculate. Only
+    this model is asked: asking wakes an engine's worker, which would then spin beside the one measured."""
     try:
-        stats = httpx.get(f"{url}/v1/specserve/stats", headers=auth_headers(), timeout=30).raise_for_status().json().get(model)
+        stats = httpx.get(f"{url}/v1/specserve/stats", params={"model": model}, headers=auth_headers(),
+                          timeout=30).raise_for_status().json().get(model)
     except httpx.HTTPError:
         return None
     return stats if stats and stats.get("enabled") else None

@@ -161,6 +161,11 @@ def test_speculation_counters_on_the_stats_route(serve_app, client):
     assert 0 < spec["steps_drafted"] <= spec["steps"]
     assert spec["models"]["draft"].endswith("draft")
     assert stats[BASELINE]["enabled"] is False
+    # One model's alone (the load test asks so, to wake no other engine), or a 404 for an unknown one.
+    only = httpx.get(f"{serve_app}/v1/specserve/stats", params={"model": SPEC}, timeout=60).json()
+    assert list(only) == [SPEC] and only[SPEC]["enabled"]
+    unknown = httpx.get(f"{serve_app}/v1/specserve/stats", params={"model": "nope"}, timeout=60)
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
     # Each replica's resident memory, its engine process included (a demo engine holds over 1 GB), and
     # the CPU engine environment (oneDNN's bounded primitive cache) as vLLM's processes hold it.
     for model in (spec, stats[BASELINE]):
@@ -205,6 +210,62 @@ def test_prometheus_counters_only_go_up_by_what_the_engine_gained():
     for total in (5, 5, 12):
         _inc(counter, seen, ("drafted", "true"), total, "m")
     assert counter.calls == [(5, {"model": "m", "drafted": "true"}), (7, {"model": "m", "drafted": "true"})]
+
+
+def test_speculation_metrics_poll_the_engine_only_while_requests_come_or_run(monkeypatch):
+    """Each poll is an RPC that wakes the engine's worker (which then spins for a second): an idle
+    replica is not polled, one that took a request or still runs one is, and counting resumes then."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray.util.metrics
+
+    from deployment import servers
+
+    class Counter:
+        def __init__(self, name, description, tag_keys):
+            self.info = {"name": name}
+
+        def inc(self, value, tags):
+            pass
+
+    class StandInServer:
+        requests_started, unfinished, polls = 0, 0, 0
+
+        async def speculation_stats(self):
+            self.polls += 1
+            return {"enabled": True, "chosen_k_histogram": [0, self.polls], "steps": self.polls, "steps_drafted": 0,
+                    "finished_requests": 0, "finished_requests_drafted": 0}
+
+        async def llm_config(self):
+            return SimpleNamespace(model_id="m")
+
+        async def num_unfinished_requests(self):
+            return self.unfinished
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", Counter)
+
+    async def polls_over(server, seconds=0.2):
+        before = server.polls
+        await asyncio.sleep(seconds)
+        return server.polls - before
+
+    async def scenario():
+        server = StandInServer()
+        task = asyncio.create_task(servers.publish_speculation_metrics(server, interval_s=0.01))
+        await asyncio.sleep(0.1)
+        assert server.polls == 2  # whether it speculates, then the first counts
+        assert await polls_over(server) == 0  # idle
+        server.requests_started += 1  # a request came and went between two polls
+        assert await polls_over(server) == 1
+        server.unfinished = 3  # requests running: polled every interval
+        assert await polls_over(server) >= 5
+        server.unfinished = 0  # the last poll after they finished, then none
+        assert await polls_over(server) == 1
+        assert await polls_over(server) == 0
+        task.cancel()
+
+    asyncio.run(scenario())
 
 
 BAD_INPUTS = [
