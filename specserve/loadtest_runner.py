@@ -59,11 +59,13 @@ def log(msg: str) -> None:
     print(f"[loadtest {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def replica_memory_bytes(url: str) -> int:
-    """Resident memory of the models' replicas with their engine processes (one replica of each model
-    asked, from /v1/specserve/stats): works against a remote application too."""
-    stats = httpx.get(f"{url}/v1/specserve/stats", headers=auth_headers(), timeout=30).raise_for_status().json()
-    return sum(model.get("replica_memory_bytes", 0) for model in stats.values())
+def replica_memory_bytes(url: str, model: str) -> int:
+    """Resident memory of the model's replica with its engine processes (one replica asked, from
+    /v1/specserve/stats): works against a remote application too. The model measured alone, as in
+    `speculation_stats`, so that no other engine is woken."""
+    stats = httpx.get(f"{url}/v1/specserve/stats", params={"model": model}, headers=auth_headers(),
+                      timeout=30).raise_for_status().json()
+    return stats.get(model, {}).get("replica_memory_bytes", 0)
 
 
 def warm_up(url: str, model: str) -> None:
@@ -110,14 +112,14 @@ def main(args) -> int:
     try:
         for label, user_class, model in plan_targets(args):
             warm_up(args.host, model)
-            memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host)}
+            memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host, model)}
             for c in args.concurrency:
                 log(f"{label} ({model}): concurrency {c} for {args.duration} s")
                 before = speculation_stats(args.host, model)
                 run_level(out, args.host, label, c, args.duration, args, user_class, model)
                 if before is not None:
                     engine.setdefault(label, {})[c] = engine_counters(before, speculation_stats(args.host, model))
-            memory[label]["at_end_bytes"] = replica_memory_bytes(args.host)
+            memory[label]["at_end_bytes"] = replica_memory_bytes(args.host, model)
         spec_stats = speculation_stats(args.host, args.speculative_model) or {}
         title_models = models_label(args.host, args.speculative_model)
     finally:
