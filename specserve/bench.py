@@ -27,6 +27,11 @@ from deployment.defaults import DEMO_DRAFT, DEMO_TARGET
 from loadtest import load_prompts
 from specserve.engines import engine_kwargs, shutdown_llm, start_llm
 
+# After its last message an engine's worker process spins on sched_yield for this long, waiting for the
+# next (vLLM's shared-memory queue, busy_loop_s): with every engine up at once, the next point waits it
+# out rather than share this machine's two cores with the engine measured before it.
+WORKER_SPIN_S = 1.0
+
 def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, draft: str = DEMO_DRAFT) -> dict[str, dict]:
     pair = {"target": target, "draft": draft}
     # Acceptance is read from each request's own summary (as ours gives it): the process-wide Prometheus
@@ -171,6 +176,7 @@ def run_interleaved(specs: dict[str, dict], prompts, batch_sizes, temperatures, 
                     order = list(engines)
                     order_rng.shuffle(order)
                     for name in order:
+                        time.sleep(WORKER_SPIN_S)
                         row = measure_point(engines[name], name, prompts, batch, temperature, new_tokens,
                                             requests_per_point, first_prompt) | {"round": r}
                         rows.append(row)
