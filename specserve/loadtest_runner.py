@@ -2,15 +2,18 @@
 the report. Starts `serve run` on --config (serve_config.yaml) itself when nothing answers at --host,
 and stops it.
 
-Targets, in order: the speculative model, any --compare models (more speculative model ids, e.g. the
-fixed-K variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the baseline once
-more (the noise band). For each speculative target the engine's own counters (/v1/specserve/stats)
+Targets: the speculative model, any --compare models (more speculative model ids, e.g. the fixed-K
+variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the baseline once more (the
+noise band). Every target is warmed up first; then each concurrency level in turn runs every target, in
+a shuffled (seeded) order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
+levels after another's would put that drift between the targets compared. For each speculative target the engine's own counters (/v1/specserve/stats)
 are read before and after every level: the chosen-K histogram and the shares of steps and requests
 that drafted come from the engine, since the per-request HTTP summary leaves out steps without drafts."""
 
 import argparse
 import csv
 import os
+import random
 import subprocess
 import sys
 import time
@@ -35,6 +38,17 @@ def plan_targets(args) -> list[tuple[str, str, str]]:
     if args.repeat_baseline:
         targets.append((BASELINE_REPEAT, "BaselineUser", args.baseline_model))
     return targets
+
+
+def measurement_order(targets: list, levels: list[int], seed: int = 0) -> list[tuple[int, tuple]]:
+    """(level, target) in the order measured: each level in turn, its targets shuffled."""
+    rng = random.Random(seed)
+    order = []
+    for level in levels:
+        shuffled = list(targets)
+        rng.shuffle(shuffled)
+        order += [(level, target) for target in shuffled]
+    return order
 
 
 def speculation_stats(url: str, model: str) -> dict | None:
@@ -110,15 +124,17 @@ def main(args) -> int:
         log(f"ready in {server.wait_ready():.0f} s")
     memory, engine, spec_stats, title_models = {}, {}, {}, args.speculative_model
     try:
-        for label, user_class, model in plan_targets(args):
+        targets = plan_targets(args)
+        for label, _, model in targets:
             warm_up(args.host, model)
             memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host, model)}
-            for c in args.concurrency:
-                log(f"{label} ({model}): concurrency {c} for {args.duration} s")
-                before = speculation_stats(args.host, model)
-                run_level(out, args.host, label, c, args.duration, args, user_class, model)
-                if before is not None:
-                    engine.setdefault(label, {})[c] = engine_counters(before, speculation_stats(args.host, model))
+        for c, (label, user_class, model) in measurement_order(targets, args.concurrency):
+            log(f"{label} ({model}): concurrency {c} for {args.duration} s")
+            before = speculation_stats(args.host, model)
+            run_level(out, args.host, label, c, args.duration, args, user_class, model)
+            if before is not None:
+                engine.setdefault(label, {})[c] = engine_counters(before, speculation_stats(args.host, model))
+        for label, _, model in targets:
             memory[label]["at_end_bytes"] = replica_memory_bytes(args.host, model)
         spec_stats = speculation_stats(args.host, args.speculative_model) or {}
         title_models = models_label(args.host, args.speculative_model)

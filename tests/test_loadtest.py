@@ -172,3 +172,17 @@ def test_charts_read_in_a_minute(tmp_path):
     write_outputs(tmp_path, s, speedups(s), None, {"models_label": "m", "k_policy": "adaptive", "duration_s": 30})
     report = (tmp_path / "report.md").read_text()
     assert "P95 e2e speed-up" in report and "chosen K shares" in report
+
+
+def test_each_level_runs_every_target_in_a_shuffled_order():
+    """Levels one after another, each with every target once, in orders that differ between levels
+    (the machine's drift falls on every target alike) and that a rerun repeats."""
+    from specserve.loadtest_runner import measurement_order
+
+    targets, levels = ["speculative", "k2", "k4", "baseline", "baseline-repeat"], [1, 2, 4, 8, 16, 32]
+    order = measurement_order(targets, levels)
+    assert [level for level, _ in order] == [level for level in levels for _ in targets]
+    blocks = [[t for level, t in order if level == c] for c in levels]
+    assert all(sorted(block) == sorted(targets) for block in blocks)
+    assert len({tuple(block) for block in blocks}) > 1
+    assert order == measurement_order(targets, levels)
