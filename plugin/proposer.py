@@ -38,7 +38,7 @@ from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
 from plugin.speculation_policy import SpeculationPolicy
-from plugin.step_profile import StepProfile
+from plugin.step_profile import StepProfile, work_clock
 
 logger = logging.getLogger("specserve.proposer")
 _DEFAULT_MAX_ROWS = 64
@@ -136,16 +136,17 @@ class DraftProposer:
         self.policy.calibrate_draft({rows: self._time_draft_forward(rows) for rows in (1, min(16, self.max_rows))})
 
     def _time_draft_forward(self, rows: int, repeats: int = 5) -> float:
-        """Median seconds of one draft forward feeding one token to each of `rows` rows (start-up
-        calibration of the step-cost model; it writes scratch entries only, every row is empty)."""
+        """Least seconds of one draft forward feeding one token to each of `rows` rows over `repeats`,
+        on `work_clock` (start-up calibration of the step-cost model, which other processes' work must
+        not inflate; it writes scratch entries only, every row is empty)."""
         tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         start, last = torch.zeros(rows, dtype=torch.long, device=self.device), torch.zeros(rows, dtype=torch.long, device=self.device)
-        times = []
+        clock, times = work_clock(self.device), []
         for _ in range(repeats + 1):
-            began = time.perf_counter()
+            began = clock()
             self._forward(tokens, start, last).cpu()
-            times.append(time.perf_counter() - began)
-        return float(np.median(times[1:]))
+            times.append(clock() - began)
+        return min(times[1:])
 
     def attach(self, runner) -> None:
         """The model runner whose batch rows, sampling parameters and draft-probability slot we use."""

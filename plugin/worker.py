@@ -66,7 +66,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
         result = super().compile_or_warm_up_model(*args, **kwargs)
         if (drafter := self._draft_proposer()) and drafter.policy.mode == "adaptive":
             try:
-                seconds = {n: internals.time_target_forward(self.model_runner, n) for n in CALIBRATION_TOKENS}
+                seconds = internals.time_target_forwards(self.model_runner, CALIBRATION_TOKENS)
                 drafter.policy.calibrate_target(seconds)
                 logger.info("specserve: target forward %s ms by scheduled tokens %s (step-cost calibration)",
                             [round(s * 1e3, 2) for s in seconds.values()], list(seconds))
