@@ -32,6 +32,7 @@ from specserve.engines import engine_kwargs, shutdown_llm, start_llm
 # out rather than share this machine's two cores with the engine measured before it.
 WORKER_SPIN_S = 1.0
 
+
 def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, draft: str = DEMO_DRAFT) -> dict[str, dict]:
     pair = {"target": target, "draft": draft}
     # Acceptance is read from each request's own summary (as ours gives it): the process-wide Prometheus

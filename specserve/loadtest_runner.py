@@ -6,9 +6,10 @@ Targets: the speculative model, any --compare models (more speculative model ids
 variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the baseline once more (the
 noise band). Every target is warmed up first; then each concurrency level in turn runs every target, in
 a shuffled (seeded) order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
-levels after another's would put that drift between the targets compared. For each speculative target the engine's own counters (/v1/specserve/stats)
-are read before and after every level: the chosen-K histogram and the shares of steps and requests
-that drafted come from the engine, since the per-request HTTP summary leaves out steps without drafts."""
+levels after another's would put that drift between the targets compared. For each speculative target
+the engine's own counters (/v1/specserve/stats) are read before and after every level: the chosen-K
+histogram and the shares of steps and requests that drafted come from the engine, since the per-request
+HTTP summary leaves out steps without drafts."""
 
 import argparse
 import csv
