@@ -78,12 +78,10 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
     async def speculation_stats(self, model: Optional[str] = None) -> dict:
         """Each model's speculator counters (one replica each asked; `?model=` asks that model alone, and
         wakes no other engine's worker); {"enabled": false} for the baseline."""
-        handles = self.model_handles()
-        if model is not None and model not in handles:
-            raise OpenAIHTTPException(404, f"The model `{model}` does not exist. Available models: {self.model_ids()}",
-                                      "NotFoundError")
+        if model is not None:
+            await self._get_model_id(model)  # the ingress's own lookup: an unknown model is its OpenAI-style 404
         return {model_id: await handle.speculation_stats.remote()
-                for model_id, handle in handles.items() if model in (None, model_id)}
+                for model_id, handle in self.model_handles().items() if model in (None, model_id)}
 
     async def replicas(self) -> dict:
         """Each model's replicas by state (RUNNING, STARTING, STOPPING, ...), from Serve's status."""
