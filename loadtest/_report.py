@@ -23,15 +23,29 @@ def measured_seconds(rows: list[dict]) -> float:
     return max(ends) - min(starts)
 
 
+def _is_ok(sample: dict) -> bool:
+    return str(sample["ok"]) in ("True", "true", "1")
+
+
+def _by_round(rows: list[dict]) -> dict[int, list[dict]]:
+    rounds: dict[int, list[dict]] = {}
+    for s in rows:
+        rounds.setdefault(int(s.get("round") or 0), []).append(s)
+    return dict(sorted(rounds.items()))
+
+
 def summarize(samples: list[dict]) -> dict:
     """samples: dicts with target, concurrency, ok, start (epoch s), e2e_s, tpot_s, ttft_s, output_tokens,
-    drafted/accepted tokens. Returns {target: {concurrency: stats}}; rates count over the measured window."""
+    drafted/accepted tokens, and round (`--rounds`: a level measured more than once). Returns {target:
+    {concurrency: stats}}: percentiles over every round's requests, rates over the rounds' measured
+    windows added up, and each round's own throughput (output_tokens_per_s_by_round)."""
     levels = sorted({(s["target"], int(s["concurrency"])) for s in samples})
     out: dict = {}
     for target, conc in levels:
         rows = [s for s in samples if s["target"] == target and int(s["concurrency"]) == conc]
-        seconds = measured_seconds(rows)
-        ok = [s for s in rows if str(s["ok"]) in ("True", "true", "1")]
+        windows = {r: measured_seconds(group) for r, group in _by_round(rows).items()}
+        seconds = sum(windows.values())
+        ok = [s for s in rows if _is_ok(s)]
         e2e = [float(s["e2e_s"]) for s in ok]
         tpot = [float(s["tpot_s"]) for s in ok]
         drafted = sum(int(s["drafted_tokens"]) for s in ok)
@@ -46,6 +60,9 @@ def summarize(samples: list[dict]) -> dict:
             "p95_tpot_s": percentile(tpot, 95),
             "p50_ttft_s": percentile([float(s["ttft_s"]) for s in ok], 50),
             "output_tokens_per_s": tokens / seconds,
+            "output_tokens_per_s_by_round": {
+                r: sum(int(s["output_tokens"]) for s in group if _is_ok(s)) / windows[r]
+                for r, group in _by_round(rows).items()},
             "requests_per_s": len(ok) / seconds,
             "acceptance_rate": accepted / drafted if drafted else None,
             "measured_s": seconds,
@@ -74,6 +91,11 @@ def speedups(summary: dict) -> dict:
                 "p50_e2e_speedup": base["p50_e2e_s"] / spec["p50_e2e_s"],
                 "p95_e2e_speedup": base["p95_e2e_s"] / spec["p95_e2e_s"],
                 "throughput_ratio": spec["output_tokens_per_s"] / base["output_tokens_per_s"],
+                # each round against the baseline's same round (measured minutes apart, not an hour)
+                "throughput_ratio_by_round": {
+                    r: tps / base["output_tokens_per_s_by_round"][r]
+                    for r, tps in spec.get("output_tokens_per_s_by_round", {}).items()
+                    if r in base.get("output_tokens_per_s_by_round", {})},
             }
         crossover = next((c for c in levels if rows[c]["p50_e2e_speedup"] < 1.0), None)
         by_target[target] = {"by_concurrency": rows, "crossover_concurrency": crossover}
@@ -158,11 +180,15 @@ def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
             lines.append(f"| {target} | {c} | {s['requests']} | {s['failures']} | {s['measured_s']:.1f} | {s['p50_e2e_s']:.3f} | "
                          f"{s['p95_e2e_s']:.3f} | {s['p50_tpot_s'] * 1e3:.1f} | {s['output_tokens_per_s']:.1f} | {acc} | "
                          f"{shares} | {_k_shares(engine)} |")
-    lines += ["", "Against the baseline (above 1.00x: better than the baseline):", "",
-              "| target | concurrency | throughput | P50 e2e speed-up | P95 e2e speed-up |", "|---|---|---|---|---|"]
+    lines += ["", "Against the baseline (above 1.00x: better than the baseline; with more than one round, the "
+              "percentiles pool every round's requests, and each round's throughput is also set against the "
+              "baseline's in the same round):", "",
+              "| target | concurrency | throughput | throughput by round | P50 e2e speed-up | P95 e2e speed-up |",
+              "|---|---|---|---|---|---|"]
     for target, result in speed["by_target"].items():
         for c, r in result["by_concurrency"].items():
-            lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {r['p50_e2e_speedup']:.2f}x | "
+            rounds = " / ".join(f"{x:.2f}" for x in r.get("throughput_ratio_by_round", {}).values()) or "-"
+            lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {rounds} | {r['p50_e2e_speedup']:.2f}x | "
                          f"{r['p95_e2e_speedup']:.2f}x |")
     if BASELINE_REPEAT in speed["by_target"]:
         lines += ["", f"The {BASELINE_REPEAT} rows are the same baseline measured again: their distance from 1.00x "
@@ -194,7 +220,8 @@ def chart_title(extra: dict) -> str:
     """What was measured, in one line: models, K policy, output length, time per point."""
     parts = [extra.get("models_label") or "specserve", f"K policy {extra.get('k_policy', '?')}"]
     parts.append(f"{extra.get('max_tokens', '?')} output tokens, temperature {extra.get('temperature', '?')}")
-    parts.append(f"{extra.get('duration_s', '?')} s per point")
+    rounds = extra.get("rounds") or 1
+    parts.append(f"{extra.get('duration_s', '?')} s per point" + (f" x {rounds} rounds" if rounds > 1 else ""))
     return " · ".join(str(p) for p in parts)
 
 

@@ -35,6 +35,7 @@ class Sample:
     ok: bool = False
     error: str = ""
     concurrency: int = field(default_factory=lambda: int(os.environ.get("SPECSERVE_CONCURRENCY", "0")))
+    round: int = field(default_factory=lambda: int(os.environ.get("SPECSERVE_ROUND", "0")))  # `--rounds`
 
 
 def read_stream(response, sample: Sample, start: float) -> None:

@@ -6,7 +6,9 @@ Targets: the speculative model, any --compare models (more speculative model ids
 variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the baseline once more (the
 noise band). Every target is warmed up first; then each concurrency level in turn runs every target, in
 a shuffled (seeded) order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
-levels after another's would put that drift between the targets compared. For each speculative target
+levels after another's would put that drift between the targets compared. With --rounds R each level
+runs every target R times, each round in an order of its own: one 30 s window per point is noisier than
+the 5% that separates close policies, and R rounds pool R windows' requests. For each speculative target
 the engine's own counters (/v1/specserve/stats) are read before and after every level: the chosen-K
 histogram and the shares of steps and requests that drafted come from the engine, since the per-request
 HTTP summary leaves out steps without drafts."""
@@ -41,14 +43,16 @@ def plan_targets(args) -> list[tuple[str, str, str]]:
     return targets
 
 
-def measurement_order(targets: list, levels: list[int], seed: int = 0) -> list[tuple[int, tuple]]:
-    """(level, target) in the order measured: each level in turn, its targets shuffled."""
+def measurement_order(targets: list, levels: list[int], seed: int = 0, rounds: int = 1) -> list[tuple[int, int, tuple]]:
+    """(level, round, target) in the order measured: each level in turn, and within it each round
+    running every target in an order of its own (shuffled)."""
     rng = random.Random(seed)
     order = []
     for level in levels:
-        shuffled = list(targets)
-        rng.shuffle(shuffled)
-        order += [(level, target) for target in shuffled]
+        for r in range(rounds):
+            shuffled = list(targets)
+            rng.shuffle(shuffled)
+            order += [(level, r, target) for target in shuffled]
     return order
 
 
@@ -89,7 +93,7 @@ def warm_up(url: str, model: str) -> None:
 
 
 def locust_command(out: Path, url: str, target: str, concurrency: int, duration: int, args,
-                   user_class: str | None = None, model: str | None = None) -> tuple[list[str], dict]:
+                   user_class: str | None = None, model: str | None = None, round_: int = 0) -> tuple[list[str], dict]:
     """Headless Locust for one target at one concurrency (closed loop: users = concurrency), with every
     load-test option of `args` on its command line (the user class's model id replaced by `model` when
     given). Samples are labelled with `target`. Returns (argv, environment)."""
@@ -98,23 +102,26 @@ def locust_command(out: Path, url: str, target: str, concurrency: int, duration:
     if model is not None:
         options["speculative_model" if user_class == "SpeculativeUser" else "baseline_model"] = model
     env = os.environ | {"SPECSERVE_SAMPLES_CSV": str(out / "samples.csv"), "SPECSERVE_CONCURRENCY": str(concurrency),
-                        "SPECSERVE_TARGET_LABEL": target}
+                        "SPECSERVE_TARGET_LABEL": target, "SPECSERVE_ROUND": str(round_)}
     cmd = [str(Path(sys.executable).with_name("locust")), "-f", str(REPO_ROOT / "loadtest"), "--headless",
            "--host", url, "-u", str(concurrency), "-r", str(concurrency), "-t", f"{duration}s",
-           "--stop-timeout", "120", "--csv", str(out / "locust" / f"{target}_c{concurrency}"), "--only-summary",
+           "--stop-timeout", "120", "--csv", str(out / "locust" / f"{target}_c{concurrency}_r{round_}"), "--only-summary",
            "--loglevel", "WARNING", *_options.to_argv(argparse.Namespace(**options)), user_class]
     return cmd, env
 
 
 def run_level(out: Path, url: str, target: str, concurrency: int, duration: int, args,
-              user_class: str | None = None, model: str | None = None) -> None:
-    cmd, env = locust_command(out, url, target, concurrency, duration, args, user_class, model)
+              user_class: str | None = None, model: str | None = None, round_: int = 0) -> None:
+    cmd, env = locust_command(out, url, target, concurrency, duration, args, user_class, model, round_)
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if result.returncode not in (0, 1):  # 1: some requests failed, which the report shows
         raise RuntimeError(f"locust failed ({result.returncode}):\n{result.stderr[-3000:]}")
 
 
 def main(args) -> int:
+    if args.rounds < 1:
+        print("specserve loadtest: --rounds must be at least 1", file=sys.stderr)
+        return 2
     out = Path(args.out)
     (out / "locust").mkdir(parents=True, exist_ok=True)
     (out / "samples.csv").unlink(missing_ok=True)
@@ -129,12 +136,16 @@ def main(args) -> int:
         for label, _, model in targets:
             warm_up(args.host, model)
             memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host, model)}
-        for c, (label, user_class, model) in measurement_order(targets, args.concurrency):
-            log(f"{label} ({model}): concurrency {c} for {args.duration} s")
-            before = speculation_stats(args.host, model)
-            run_level(out, args.host, label, c, args.duration, args, user_class, model)
-            if before is not None:
-                engine.setdefault(label, {})[c] = engine_counters(before, speculation_stats(args.host, model))
+        before: dict = {}  # (target, level) -> its engine's counters before the level's first round
+        for c, r, (label, user_class, model) in measurement_order(targets, args.concurrency, rounds=args.rounds):
+            log(f"{label} ({model}): concurrency {c} for {args.duration} s, round {r + 1} of {args.rounds}")
+            if r == 0:
+                before[label, c] = speculation_stats(args.host, model)
+            run_level(out, args.host, label, c, args.duration, args, user_class, model, r)
+            # Each target has an engine of its own, idle while the others run: its counters from before
+            # its first round to after its last are its rounds' alone.
+            if r == args.rounds - 1 and before[label, c] is not None:
+                engine.setdefault(label, {})[c] = engine_counters(before[label, c], speculation_stats(args.host, model))
         for label, _, model in targets:
             memory[label]["at_end_bytes"] = replica_memory_bytes(args.host, model)
         spec_stats = speculation_stats(args.host, args.speculative_model) or {}
@@ -153,7 +164,7 @@ def main(args) -> int:
     plan = capacity(summary, args.slo_p95_e2e, args.target_rps) if args.slo_p95_e2e else None
     for target, m in memory.items():
         m["change"] = (m["at_end_bytes"] - m["after_warm_up_bytes"]) / max(m["after_warm_up_bytes"], 1)
-    extra = {"host": args.host, "duration_s": args.duration, "models_label": title_models,
+    extra = {"host": args.host, "duration_s": args.duration, "rounds": args.rounds, "models_label": title_models,
              "k_policy": f"{spec_stats.get('k_policy', '?')} (K_max {spec_stats.get('k_max', '?')})",
              **{o.dest: getattr(args, o.dest) for o in _options.OPTIONS}, "replica_memory": memory}
     write_outputs(out, summary, speed, plan, extra)
@@ -170,6 +181,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat-baseline", action="store_true", help="measure the baseline again at the end: the noise band")
     p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8,16")
     p.add_argument("--duration", type=int, default=30, help="seconds per target and concurrency level")
+    p.add_argument("--rounds", type=int, default=1, help="times each target is measured at each level (each round "
+                   "in an order of its own; the report pools the rounds and sets each against the baseline's)")
     p.add_argument("--slo-p95-e2e", type=float, help="SLO on P95 end-to-end latency, seconds")
     p.add_argument("--target-rps", type=float, help="request rate to size replicas for")
     _options.add_to(p)  # the locustfile's own options, forwarded to Locust as given

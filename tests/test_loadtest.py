@@ -175,14 +175,37 @@ def test_charts_read_in_a_minute(tmp_path):
 
 
 def test_each_level_runs_every_target_in_a_shuffled_order():
-    """Levels one after another, each with every target once, in orders that differ between levels
-    (the machine's drift falls on every target alike) and that a rerun repeats."""
+    """Levels one after another, each with every target once per round, each round in an order of its
+    own (the machine's drift falls on every target alike), orders that a rerun repeats."""
     from specserve.loadtest_runner import measurement_order
 
     targets, levels = ["speculative", "k2", "k4", "baseline", "baseline-repeat"], [1, 2, 4, 8, 16, 32]
     order = measurement_order(targets, levels)
-    assert [level for level, _ in order] == [level for level in levels for _ in targets]
-    blocks = [[t for level, t in order if level == c] for c in levels]
+    assert [(level, r) for level, r, _ in order] == [(level, 0) for level in levels for _ in targets]
+    blocks = [[t for level, _, t in order if level == c] for c in levels]
     assert all(sorted(block) == sorted(targets) for block in blocks)
     assert len({tuple(block) for block in blocks}) > 1
     assert order == measurement_order(targets, levels)
+    rounds = measurement_order(targets, [1, 4], rounds=3)
+    assert [(level, r) for level, r, _ in rounds] == [(level, r) for level in (1, 4) for r in range(3) for _ in targets]
+    per_round = [tuple(t for level, r, t in rounds if (level, r) == key) for key in {(lv, r) for lv, r, _ in rounds}]
+    assert all(sorted(block) == sorted(targets) for block in per_round) and len(set(per_round)) > 1
+
+
+def test_rounds_pool_requests_add_windows_and_pair_each_round_with_the_baselines():
+    """Two rounds of a level: percentiles over both rounds' requests, throughput over the two windows
+    added up (not the hour between them), and each round's throughput ratio against the baseline's
+    same round."""
+    def rounds(target, e2es, starts):
+        return [sample(target, 1, e, start=s) | {"round": r} for r, (e, s) in enumerate(zip(e2es, starts))]
+
+    # speculative: round 0 one 2 s request at t=0, round 1 one 4 s request an hour later
+    samples = rounds("speculative", (2.0, 4.0), (0.0, 3600.0)) + rounds("baseline", (4.0, 4.0), (10.0, 3610.0))
+    s = summarize(samples)
+    spec = s["speculative"][1]
+    assert spec["measured_s"] == 6.0 and spec["output_tokens_per_s"] == pytest.approx(200 / 6)
+    assert spec["output_tokens_per_s_by_round"] == {0: 50.0, 1: 25.0}
+    assert spec["p50_e2e_s"] == 3.0 and spec["requests"] == 2
+    by_round = speedups(s)["by_concurrency"][1]["throughput_ratio_by_round"]
+    assert by_round == {0: pytest.approx(2.0), 1: pytest.approx(1.0)}
+    assert summarize(FIXED)["speculative"][1]["output_tokens_per_s_by_round"] == {0: 50.0}  # samples without a round
