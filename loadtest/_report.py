@@ -103,6 +103,9 @@ def speedups(summary: dict) -> dict:
     return {**main, "by_target": by_target}
 
 
+COST_MODEL_KEYS = ("target_cost_ms", "draft_cost_ms", "engine_cost_ms", "engine_acceptance_per_position")
+
+
 def engine_counters(before: dict, after: dict) -> dict:
     """What a speculative engine did during one level, from its /v1/specserve/stats before and after:
     the chosen-K histogram (request-steps per K), the share of engine steps in which any request
@@ -116,6 +119,8 @@ def engine_counters(before: dict, after: dict) -> dict:
         "mean_k": sum(k * n for k, n in enumerate(histogram)) / max(sum(histogram), 1),
         "drafted_step_share": gained("steps_drafted") / max(gained("steps"), 1),
         "drafted_request_share": gained("finished_requests_drafted") / max(gained("finished_requests"), 1),
+        # the adaptive policy's fitted step costs at the level's end, for reading its choices afterwards
+        **{key: after[key] for key in COST_MODEL_KEYS if key in after},
     }
 
 
