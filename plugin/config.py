@@ -61,7 +61,6 @@ def speculative_engine_kwargs(
     compile_draft: str = "auto",
     per_request_metrics: str = "summary",
     k_policy: str = "adaptive",
-    never_slower: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
     and Ray Serve LLM's `engine_kwargs`.
@@ -71,9 +70,6 @@ def speculative_engine_kwargs(
     k_policy: "adaptive" (default: each request's K in 0..K_max chosen every step for the most tokens per
         second, from its live acceptance and the step costs measured in the engine; K = 0 runs no draft
         work), "fixed" (K_max for every request, every step) or "off" (no drafting at all).
-    never_slower: adaptive only: choose among the draft lengths with which no request expects fewer tokens
-        per second than with no drafts at all (a request the draft predicts badly still pays for the longer
-        step that the others' drafts make; this caps that step at what the request gains).
     target_model: when given, the vocabulary check runs here, before any engine starts; the engine
         checks again at start-up either way.
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
@@ -102,7 +98,6 @@ def speculative_engine_kwargs(
         "profile_steps": profile_steps,
         "compile_draft": compile_draft,
         "k_policy": k_policy,
-        "never_slower": bool(never_slower),
     }
     return {
         "speculative_config": {

@@ -99,8 +99,7 @@ class DraftProposer:
         self.compile = compile_draft == "on" or (compile_draft == "auto" and self.device.type == "cuda")
         self.decode: Optional[CompiledDecode] = None
         self._fault_rng = random.Random(0)
-        self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows,
-                                        never_slower=bool(options.get("never_slower")))
+        self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows)
 
         self.model: Optional[DraftModel] = None
         self.runner = None

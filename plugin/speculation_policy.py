@@ -62,11 +62,8 @@ def expected_tokens(acceptance: np.ndarray, k: np.ndarray) -> np.ndarray:
     return 1.0 + (gains * taken).sum(axis=1)
 
 
-def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | None = None,
-                         never_slower: bool = False) -> np.ndarray:
+def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | None = None) -> np.ndarray:
     """K_i [n] in 0..max_k maximising sum(E_i(K_i)) / step time; K = 0 for all when drafting does not pay.
-    never_slower: only among choices in which no request expects fewer tokens per second than with no
-    drafts at all (`choose_never_slower`).
 
     For a fixed longest draft M, the best set of d draft tokens is the d largest gains among positions
     below M (a prefix of each row, since a row's gains never grow), and the time depends on d alone;
@@ -77,11 +74,6 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     if n == 0 or max_k == 0:
         return best_k
     gains = np.cumprod(np.clip(acceptance[:, :max_k], 0.0, 1.0), axis=1)  # [n, max_k]
-    if never_slower:
-        free = choose_draft_lengths(acceptance, costs, max_k)
-        if (expected_tokens(acceptance[:, :max_k], free) * costs.base >= costs.step_time(free) * (1 - 1e-9)).all():
-            return free  # the best of all choices keeps every request's rate: nothing to constrain
-        return choose_never_slower(gains, costs)
     position = np.broadcast_to(np.arange(max_k), gains.shape).ravel()
     order = np.lexsort((position, -gains.ravel()))  # largest gain first; earlier position on ties
     rows_sorted, pos_sorted, gain_sorted = order // max_k, position[order], gains.ravel()[order]  # [n * max_k]
@@ -96,44 +88,6 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
         taken = within[m, : pick + 1]
         best_k = np.bincount(rows_sorted[: pick + 1][taken], minlength=n).astype(np.int64)
     return best_k
-
-
-def choose_never_slower(gains: np.ndarray, costs: StepCosts) -> np.ndarray:
-    """K_i [n] for gains [n, max_k] (> 0 rows only), maximising goodput among the choices in which every
-    request expects at least its tokens per second without drafts: E_i(K_i) / step time >= 1 / base.
-
-    A request the draft predicts badly gains little from its own drafts, yet pays for the longer step
-    that the others' drafts make; at high load that makes it slower than it would be with no speculation
-    (the tail of the latency distribution). So each step's slow-down T / base is capped by what its
-    worst-served request gains. The search runs over floors rho: every row gets the fewest drafts that
-    make E_i >= rho (rho up to the smallest E_i(max_k)), then drafts are added in order of gain (each row's
-    gains fall with position, so rows still take prefixes); a choice is kept when the floor's least
-    E_i covers its slow-down. No drafts at all is always allowed."""
-    n, max_k = gains.shape
-    expected = np.concatenate([np.ones((n, 1)), 1.0 + np.cumsum(gains, axis=1)], axis=1)  # [n, max_k + 1] E_i(k)
-    rho = np.unique(expected[:, 1:])
-    rho = rho[rho <= expected[:, -1].min()]  # [R] floors every row can reach
-    if not len(rho) or costs.base <= 0:
-        return np.zeros(n, dtype=np.int64)
-    floor_k = (expected[None, :, :] < rho[:, None, None]).sum(axis=2)  # [R, n] fewest drafts with E_i >= rho
-    floor_e = np.take_along_axis(expected[None].repeat(len(rho), 0), floor_k[:, :, None], axis=2)[:, :, 0]  # [R, n]
-    order = np.lexsort((np.tile(np.arange(max_k), n), -gains.ravel()))  # largest gain first
-    rows_sorted, pos_sorted, gain_sorted = order // max_k, order % max_k, gains.ravel()[order]  # [n * max_k]
-    extra = pos_sorted[None, :] >= floor_k[:, rows_sorted]  # [R, n * max_k] drafts beyond the floor
-    extra = np.concatenate([np.zeros((len(rho), 1), dtype=bool), extra], axis=1)  # column 0: the floor alone
-    gain_col = np.concatenate([[0.0], gain_sorted])
-    pos_col = np.concatenate([[0], pos_sorted + 1])
-    d = floor_k.sum(axis=1)[:, None] + np.cumsum(extra, axis=1)  # [R, 1 + n * max_k]
-    tokens = floor_e.sum(axis=1)[:, None] + np.cumsum(np.where(extra, gain_col, 0.0), axis=1)
-    longest = np.maximum(floor_k.max(axis=1)[:, None], np.maximum.accumulate(np.where(extra, pos_col, 0), axis=1))
-    time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
-    allowed = (extra | (np.arange(extra.shape[1]) == 0)) & (time <= floor_e.min(axis=1)[:, None] * costs.base * (1 + 1e-9))
-    rate = np.where(allowed, tokens / np.maximum(time, 1e-12), -np.inf)
-    r, t = np.unravel_index(int(rate.argmax()), rate.shape)
-    if not rate[r, t] > (n / costs.base) * (1 + 1e-9):
-        return np.zeros(n, dtype=np.int64)
-    taken = extra[r, 1: t + 1]
-    return floor_k[r] + np.bincount(rows_sorted[: t][taken], minlength=n).astype(np.int64)
 
 
 @dataclass
@@ -289,10 +243,10 @@ class SpeculationPolicy:
     DRAFT_FEATURES = ("overhead", "per_forward", "per_row_forward")
     ENGINE_FEATURES = ("step", "per_request", "per_draft_token")
 
-    def __init__(self, mode: str, max_k: int, rows: int, never_slower: bool = False):
+    def __init__(self, mode: str, max_k: int, rows: int):
         if mode not in POLICIES:
             raise ValueError(f"k_policy must be one of {POLICIES}, not {mode!r}")
-        self.mode, self.max_k, self.never_slower = mode, max_k, never_slower
+        self.mode, self.max_k = mode, max_k
         self.acceptance = AcceptanceTracker(max_k, rows)
         # The target forward's seconds by tokens, piecewise linear between calibrated points; before any
         # calibration, 1 ms per token with a free scale.
@@ -409,7 +363,7 @@ class SpeculationPolicy:
             k[eligible] = self.max_k
         elif self.mode == "adaptive" and len(eligible):
             acceptance = self.acceptance.estimate(len(candidates))[eligible]
-            k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k, self.never_slower)
+            k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k)
             if k.any():
                 self.steps_without_drafts = 0
             elif self.steps_without_drafts >= self.PROBE_INTERVAL and not self.forced:
@@ -437,7 +391,6 @@ class SpeculationPolicy:
         costs = self.costs(1)
         return {
             "k_policy": self.mode,
-            "never_slower": self.never_slower,
             "chosen_k_histogram": self.histogram.tolist(),
             "probes": self.probes,
             "forced_k": self.forced_k,
