@@ -43,7 +43,8 @@ def summarize(samples: list[dict]) -> dict:
     out: dict = {}
     for target, conc in levels:
         rows = [s for s in samples if s["target"] == target and int(s["concurrency"]) == conc]
-        windows = {r: measured_seconds(group) for r, group in _by_round(rows).items()}
+        rounds = _by_round(rows)
+        windows = {r: measured_seconds(group) for r, group in rounds.items()}
         seconds = sum(windows.values())
         ok = [s for s in rows if _is_ok(s)]
         e2e = [float(s["e2e_s"]) for s in ok]
@@ -62,7 +63,7 @@ def summarize(samples: list[dict]) -> dict:
             "output_tokens_per_s": tokens / seconds,
             "output_tokens_per_s_by_round": {
                 r: sum(int(s["output_tokens"]) for s in group if _is_ok(s)) / windows[r]
-                for r, group in _by_round(rows).items()},
+                for r, group in rounds.items()},
             "requests_per_s": len(ok) / seconds,
             "acceptance_rate": accepted / drafted if drafted else None,
             "measured_s": seconds,
