@@ -55,6 +55,30 @@ def test_seed_example_matches_target_within_0_005():
     assert abs(accepted.float().mean().item() - alpha) < 0.005
 
 
+def test_sample_from_draws_each_token_with_its_share_of_the_mass():
+    """200,000 draws from one unnormalised distribution over 64 tokens (masses from 0.3 down to 3e-5,
+    every fourth token 0): chi-square p-value above 1e-3, no zero-mass token ever drawn, seed 21."""
+    torch.manual_seed(21)
+    weights = torch.rand(64).pow(6) * 7.3  # unnormalised, spanning four orders of magnitude
+    weights[::4] = 0.0
+    draws = sample_from(weights.expand(200_000, -1)).numpy()
+    assert weights[draws].min() > 0
+    assert chi_square_p_value(draws, weights.numpy()) > P_VALUE_FLOOR
+    # The same check rejects a sampler that ignores the small masses (a vacuous test would not).
+    flattened = torch.where(weights > 0, weights.clamp_min(weights.max() / 10), weights)
+    assert chi_square_p_value(sample_from(flattened.expand(200_000, -1)).numpy(), weights.numpy()) < P_VALUE_FLOOR
+
+
+def test_sample_from_a_seeded_row_reproduces_from_its_own_generator():
+    probs = torch.softmax(torch.randn(3, 4096, generator=torch.Generator().manual_seed(3)), -1)
+    first = sample_from(probs, [None, torch.Generator().manual_seed(5), None])
+    torch.manual_seed(123)  # the unseeded rows change, the seeded one does not
+    again = sample_from(probs, [None, torch.Generator().manual_seed(5), None])
+    assert first[1] == again[1]
+    alone = sample_from(probs[1:2], [torch.Generator().manual_seed(5)])
+    assert alone[0] == first[1]
+
+
 # --- multi-token exactness on Markov chains ---------------------------------------------------------
 
 VOCAB, K, START = 20, 4, 0
