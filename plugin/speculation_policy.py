@@ -12,7 +12,8 @@ Vocabulary:
       base + drafting * [d > 0] + verify_extra(d) + per_draft_token * d + per_draft_forward * max(K_i)
   where verify_extra(d) is the target's extra time for d more tokens in its forward (not linear: flat
   while the hardware is bound by weight traffic, then rising), per_draft_token what one more draft
-  token costs outside the forwards (the engine schedules it and processes its outcome), and
+  token costs besides (the target attends over the request's context for it and computes its logits;
+  the engine schedules it and processes its outcome), and
   per_draft_forward one more batched draft forward. The draft runs max(K_i) forwards, and each feeds
   every row up to the last one still drafting (rows before it that have stopped feed scratch, so that
   the forward reads the cache as a view): so a forward is costed as feeding the whole batch, and one
@@ -224,8 +225,8 @@ class SpeculationPolicy:
 
     It learns the step-time model from three online fits: the target's step as the worker times it
     (features: 1, requests, the target forward's time for one token per request and the extra time for
-    the step's draft tokens, both from the forward's cost curve calibrated at start-up, and whether
-    anything drafted), the draft's step as the proposer times it (1, draft forwards, rows fed), and the
+    the step's draft tokens, both from the forward's cost curve calibrated at start-up, whether anything
+    drafted, and the draft tokens themselves), the draft's step as the proposer times it (1, draft forwards, rows fed), and the
     engine's time between two worker steps (1, requests, draft tokens): the scheduler and the output
     processing run once per step and handle every draft token, so a step that drafts more also costs
     more outside the worker, and a step's fixed engine cost is what drafting saves on.
@@ -235,7 +236,14 @@ class SpeculationPolicy:
     sensible; `force_costs` pins coefficients (tests, and an operator who wants speculation off above
     some cost)."""
 
-    TARGET_FEATURES = ("step", "per_request", "plain_forward_scale", "verify_scale", "drafting")
+    # "per_draft_token": what verifying one draft token costs beyond the calibrated forward. The
+    # calibration runs vLLM's dummy forward, which has no attention and no logits; a real one attends over
+    # the request's whole context for each draft token and computes its logits and probabilities. At batch
+    # 1 the calibrated curve is flat over 1..7 tokens while a step verifying 6 drafts took 2.5 ms more than
+    # one without: without this term the model saw drafts as nearly free and put the best K one or two
+    # positions too high (`specserve k-curve`, temperature 0.7).
+    TARGET_FEATURES = ("step", "per_request", "plain_forward_scale", "verify_scale", "drafting", "per_draft_token")
+    TARGET_PRIOR = (0.0, 0.0, 1.0, 1.0, 0.0, 0.0)
     # Once this many steps in a row chose no drafts, the next drafts one token for every request: the
     # estimates that stopped speculation are only re-measured by speculating (a probe costs a small
     # share of one step in PROBE_INTERVAL). Not while costs are pinned.
@@ -255,7 +263,7 @@ class SpeculationPolicy:
         # step drafts, the two are all but collinear, and an even ridge split the step's fixed time between
         # them (18.8 and 18.1 ms at concurrency 32 in serving), so a step without drafts looked 18 ms cheaper
         # than it was. Where steps with and without drafts both occur, the data still moves it.
-        self.target = OnlineLinearCost(self.TARGET_FEATURES, prior=[0.0, 0.0, 1.0, 1.0, 0.0], scale=[1, 8, 0.03, 0.03, 3])
+        self.target = OnlineLinearCost(self.TARGET_FEATURES, prior=self.TARGET_PRIOR, scale=[1, 8, 0.03, 0.03, 3, 2])
         self.draft = OnlineLinearCost(self.DRAFT_FEATURES, prior=[0.0, 0.001, 0.0], scale=[1, 4, 16])
         self.engine = OnlineLinearCost(self.ENGINE_FEATURES, prior=[0.0, 0.0, 0.0], scale=[1, 8, 16])
         self.forced: dict[str, float] = {}
@@ -273,7 +281,7 @@ class SpeculationPolicy:
         # Never decreasing in tokens: a point above a later one is timing noise, so it takes the later value.
         self.curve_tokens, self.curve_seconds = tokens, np.minimum.accumulate(seconds[::-1])[::-1]
         self.target.scale[2:4] = float(self.forward_time(np.array([32.0]))[0])
-        self.target.set_prior([0.0, 0.0, 1.0, 1.0, 0.0])
+        self.target.set_prior(self.TARGET_PRIOR)
 
     def forward_time(self, tokens: np.ndarray) -> np.ndarray:
         """Calibrated target forward seconds for [m] token counts, extrapolated along the last segment."""
@@ -293,7 +301,8 @@ class SpeculationPolicy:
         the drafts), whether any drafted. Steps that prefill are left out by the caller: a prompt's
         attention cost is not what the policy decides about."""
         plain, forward = self.forward_time(np.array([float(requests), float(max(tokens, requests))]))
-        self.target.observe(np.array([1.0, requests, plain, forward - plain, float(drafted)]), seconds)
+        drafts = float(max(tokens - requests, 0))
+        self.target.observe(np.array([1.0, requests, plain, forward - plain, float(drafted), drafts]), seconds)
 
     def observe_draft(self, forwards: int, row_forwards: int, seconds: float) -> None:
         self.draft.observe(np.array([1.0, forwards, row_forwards]), seconds)
@@ -334,7 +343,7 @@ class SpeculationPolicy:
 
     def costs(self, requests: int) -> StepCosts:
         """The step-time model for a batch of this many decoding requests (one token each unless drafted)."""
-        step, per_request, plain_scale, verify_scale, drafting = self.target.coefficients()
+        step, per_request, plain_scale, verify_scale, drafting, target_per_draft_token = self.target.coefficients()
         overhead, per_forward, per_row_forward = self.draft.coefficients()
         engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients()
         plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
@@ -345,7 +354,7 @@ class SpeculationPolicy:
 
         costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead
                           + engine_step + engine_per_request * requests,
-                          drafting=drafting, per_draft_token=engine_per_draft_token,
+                          drafting=drafting, per_draft_token=engine_per_draft_token + target_per_draft_token,
                           per_draft_forward=per_forward + per_row_forward * rows_fed, verify_extra=verify_extra)
         return replace(costs, **self.forced)
 

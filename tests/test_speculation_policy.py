@@ -231,3 +231,31 @@ def test_a_step_constant_the_data_cannot_split_stays_with_the_step_not_with_draf
     assert drafting < 0.1 * 0.037 and base == pytest.approx(1.0, abs=0.1), (base, drafting)
     base, step, _ = fitted(0.005, drafted_share=0.5)  # split between drafting and verifying, but learnt
     assert base == pytest.approx(1.0, abs=0.1) and step == pytest.approx(1.0, abs=0.1), (base, step)
+
+
+def test_a_verified_draft_token_the_calibration_cannot_see_is_learnt_and_lowers_k():
+    """The start-up calibration times vLLM's dummy forward (no attention, no logits), flat at batch 1 over
+    1..7 tokens; a real step pays for each verified draft token (attention over the context, its logits).
+    Steps whose target time grows by 0.4 ms per draft token teach the model that slope, and the
+    choice falls below the K it makes for drafts that cost nothing to verify."""
+    def policy_after(per_token: float) -> SpeculationPolicy:
+        policy = SpeculationPolicy("adaptive", max_k=6, rows=4)
+        policy.calibrate_target({1: 0.007, 8: 0.007, 64: 0.012})
+        policy.calibrate_draft({1: 0.0007, 4: 0.0008})
+        policy.acceptance.engine_accepted[:] = 70.0  # 0.7 at every position
+        policy.acceptance.engine_tested[:] = 100.0
+        rng = np.random.default_rng(0)
+        for _ in range(300):
+            k = int(rng.integers(0, 7))
+            policy.observe_target(1, 1 + k, k > 0, 0.007 + 0.001 + per_token * k)
+            if k:
+                policy.observe_draft(k, k, 0.0007 * k)
+        return policy
+
+    learnt = policy_after(0.0004)
+    assert learnt.costs(1).token_time(np.array([6]))[0] == pytest.approx(6 * 0.0004, rel=0.1)
+    assert learnt.costs(1).base == pytest.approx(0.008 + learnt.draft.coefficients()[0], rel=0.05)
+    free = policy_after(0.0)
+    assert free.costs(1).token_time(np.array([6]))[0] < 1e-4
+    lower, higher = (p.choose(np.array([True]), 1)[0] for p in (learnt, free))
+    assert lower < higher, (lower, higher)
