@@ -226,8 +226,8 @@ class SpeculationPolicy:
     It learns the step-time model from three online fits: the target's step as the worker times it
     (features: 1, requests, the target forward's time for one token per request and the extra time for
     the step's draft tokens, both from the forward's cost curve calibrated at start-up, whether anything
-    drafted, and the draft tokens themselves), the draft's step as the proposer times it (1, draft forwards, rows fed), and the
-    engine's time between two worker steps (1, requests, draft tokens): the scheduler and the output
+    drafted, and the draft tokens themselves), the draft's step as the proposer times it (1, whether it
+    drafted, draft forwards, rows fed), and the engine's time between two worker steps (1, requests, draft tokens): the scheduler and the output
     processing run once per step and handle every draft token, so a step that drafts more also costs
     more outside the worker, and a step's fixed engine cost is what drafting saves on.
     The two forward features get coefficients of their own, so that what a step costs without drafts
@@ -248,7 +248,10 @@ class SpeculationPolicy:
     # estimates that stopped speculation are only re-measured by speculating (a probe costs a small
     # share of one step in PROBE_INTERVAL). Not while costs are pinned.
     PROBE_INTERVAL = 64
-    DRAFT_FEATURES = ("overhead", "per_forward", "per_row_forward")
+    # "overhead": the proposer's time every step (following the batch, the choice of K), drafts or not;
+    # "drafting": what a step that drafts adds once (planning the catch-up, sampling set-up, the commit),
+    # which a step without drafts saves. Charged to every step, that 1 ms made K = 0 look dearer than it is.
+    DRAFT_FEATURES = ("overhead", "drafting", "per_forward", "per_row_forward")
     ENGINE_FEATURES = ("step", "per_request", "per_draft_token")
 
     def __init__(self, mode: str, max_k: int, rows: int):
@@ -264,7 +267,7 @@ class SpeculationPolicy:
         # them (18.8 and 18.1 ms at concurrency 32 in serving), so a step without drafts looked 18 ms cheaper
         # than it was. Where steps with and without drafts both occur, the data still moves it.
         self.target = OnlineLinearCost(self.TARGET_FEATURES, prior=self.TARGET_PRIOR, scale=[1, 8, 0.03, 0.03, 3, 2])
-        self.draft = OnlineLinearCost(self.DRAFT_FEATURES, prior=[0.0, 0.001, 0.0], scale=[1, 4, 16])
+        self.draft = OnlineLinearCost(self.DRAFT_FEATURES, prior=[0.0, 0.0, 0.001, 0.0], scale=[1, 0.3, 4, 16])
         self.engine = OnlineLinearCost(self.ENGINE_FEATURES, prior=[0.0, 0.0, 0.0], scale=[1, 8, 16])
         self.forced: dict[str, float] = {}
         self.calibration: dict[str, dict] = {}
@@ -294,7 +297,7 @@ class SpeculationPolicy:
         self.calibration["draft_forward_ms"] = {n: round(t * 1e3, 3) for n, t in forward_seconds.items()}
         (r0, t0), (r1, t1) = min(forward_seconds.items()), max(forward_seconds.items())
         per_row = max(t1 - t0, 0.0) / max(r1 - r0, 1)
-        self.draft.set_prior([0.0, max(t0 - per_row * r0, 0.0), per_row])
+        self.draft.set_prior([0.0, 0.0, max(t0 - per_row * r0, 0.0), per_row])
 
     def observe_target(self, requests: int, tokens: int, drafted: bool, seconds: float) -> None:
         """One decode step of the target: requests in the batch, tokens scheduled (one per request plus
@@ -305,7 +308,7 @@ class SpeculationPolicy:
         self.target.observe(np.array([1.0, requests, plain, forward - plain, float(drafted), drafts]), seconds)
 
     def observe_draft(self, forwards: int, row_forwards: int, seconds: float) -> None:
-        self.draft.observe(np.array([1.0, forwards, row_forwards]), seconds)
+        self.draft.observe(np.array([1.0, float(forwards > 0), forwards, row_forwards]), seconds)
 
     def observe_engine(self, requests: int, draft_tokens: int, seconds: float) -> None:
         """The engine's time between two decode steps of the worker (scheduling this step, processing
@@ -344,7 +347,7 @@ class SpeculationPolicy:
     def costs(self, requests: int) -> StepCosts:
         """The step-time model for a batch of this many decoding requests (one token each unless drafted)."""
         step, per_request, plain_scale, verify_scale, drafting, target_per_draft_token = self.target.coefficients()
-        overhead, per_forward, per_row_forward = self.draft.coefficients()
+        overhead, draft_drafting, per_forward, per_row_forward = self.draft.coefficients()
         engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients()
         plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
         rows_fed = min(requests, self.acceptance.rows)  # each draft forward feeds the batch's rows (see above)
@@ -354,7 +357,7 @@ class SpeculationPolicy:
 
         costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead
                           + engine_step + engine_per_request * requests,
-                          drafting=drafting, per_draft_token=engine_per_draft_token + target_per_draft_token,
+                          drafting=drafting + draft_drafting, per_draft_token=engine_per_draft_token + target_per_draft_token,
                           per_draft_forward=per_forward + per_row_forward * rows_fed, verify_extra=verify_extra)
         return replace(costs, **self.forced)
 

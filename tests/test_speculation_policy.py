@@ -259,3 +259,20 @@ def test_a_verified_draft_token_the_calibration_cannot_see_is_learnt_and_lowers_
     assert free.costs(1).token_time(np.array([6]))[0] < 1e-4
     lower, higher = (p.choose(np.array([True]), 1)[0] for p in (learnt, free))
     assert lower < higher, (lower, higher)
+
+
+def test_what_a_drafting_step_adds_once_is_saved_by_a_step_without_drafts():
+    """The proposer costs 0.2 ms every step (following the batch, choosing K) and 1 ms more once when
+    it drafts (planning, the commit): a step without drafts must be modelled without that 1 ms, or
+    K = 0 looks dearer than it is."""
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=4)
+    policy.calibrate_draft({1: 0.0005, 16: 0.0008})  # 0.48 ms a forward, 0.02 ms a row fed
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        forwards, rows = int(rng.integers(0, 5)), int(rng.integers(1, 5))
+        policy.observe_draft(forwards, rows * forwards,
+                             0.0002 + 0.001 * (forwards > 0) + (0.00048 + 0.00002 * rows) * forwards)
+    costs = policy.costs(2)
+    assert costs.drafting == pytest.approx(0.001, abs=1e-4)
+    assert costs.step_time(np.zeros(2)) == pytest.approx(costs.base)
+    assert policy.draft.coefficients()[0] == pytest.approx(0.0002, abs=1e-4)
