@@ -227,9 +227,10 @@ class SpeculationPolicy:
     (features: 1, requests, the target forward's time for one token per request and the extra time for
     the step's draft tokens, both from the forward's cost curve calibrated at start-up, whether anything
     drafted, and the draft tokens themselves), the draft's step as the proposer times it (1, whether it
-    drafted, draft forwards, rows fed), and the engine's time between two worker steps (1, requests, draft tokens): the scheduler and the output
-    processing run once per step and handle every draft token, so a step that drafts more also costs
-    more outside the worker, and a step's fixed engine cost is what drafting saves on.
+    drafted, draft forwards, rows fed), and the engine's time between two worker steps (1, requests,
+    draft tokens): the scheduler and the output processing run once per step and handle every draft
+    token, so a step that drafts more also costs more outside the worker, and a step's fixed engine cost
+    is what drafting saves on.
     The two forward features get coefficients of their own, so that what a step costs without drafts
     (sampling, scheduling, per-request work) does not leak into what verifying one more token costs.
     Both start from a calibration (`calibrate_target`, `calibrate_draft`) so that the first steps are
@@ -357,7 +358,8 @@ class SpeculationPolicy:
 
         costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead
                           + engine_step + engine_per_request * requests,
-                          drafting=drafting + draft_drafting, per_draft_token=engine_per_draft_token + target_per_draft_token,
+                          drafting=drafting + draft_drafting,
+                          per_draft_token=engine_per_draft_token + target_per_draft_token,
                           per_draft_forward=per_forward + per_row_forward * rows_fed, verify_extra=verify_extra)
         return replace(costs, **self.forced)
 
