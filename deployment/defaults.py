@@ -19,8 +19,10 @@ DEMO_DRAFT = os.environ.get("SPECSERVE_DRAFT", str(MODELS_DIR / "draft"))
 SPECULATIVE_MODEL_ID = "specserve-speculative"
 BASELINE_MODEL_ID = "specserve-baseline"
 
-# Draft length for the demo pair: c = 16 and alpha = 0.78 put the optimum at k = 7 (specserve math);
-# measured at batch 1, K = 6 gave 2.05x plain against 1.93x at K = 4 (specserve bench --k 6).
+# Draft length for the demo pair (K_max of the adaptive policy): c = 16 and alpha = 0.78 put the optimum at
+# k = 7 (specserve math); measured at batch 1, K = 6 gave 2.05x plain against 1.93x at K = 4 (specserve
+# bench --k 6). The re-distilled draft (alpha 0.85, optimum k = 9 by the formula) measured flat from K = 4
+# to 7 at batch 1 and no better at 8 (models/README.md), so 6 stays.
 DEMO_NUM_SPECULATIVE_TOKENS = 6
 
 # enforce_eager keeps start-up near 20 s on CPU. On CPU gpu_memory_utilization is the share of RAM an

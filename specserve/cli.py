@@ -52,10 +52,14 @@ def _cmd_make_prompts(args) -> int:
 
 
 def _cmd_train_demo(args) -> int:
-    from specserve.demo.train import train_demo
+    from specserve.demo.train import DRAFT_STEPS, TARGET_STEPS, distil_draft, train_demo
 
-    train_demo(Path(args.out), vocab_size=args.vocab_size, target_steps=args.target_steps,
-               draft_steps=args.draft_steps, seed=args.seed)
+    draft_steps = args.draft_steps or DRAFT_STEPS
+    if args.draft_only:
+        distil_draft(Path(args.out), draft_steps=draft_steps, seed=args.seed)
+    else:
+        train_demo(Path(args.out), vocab_size=args.vocab_size, target_steps=args.target_steps or TARGET_STEPS,
+                   draft_steps=draft_steps, seed=args.seed)
     return 0
 
 
@@ -152,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
     p.add_argument("--out", default=str(MODELS_DIR))
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--target-steps", type=int, default=750)
-    p.add_argument("--draft-steps", type=int, default=600)
+    p.add_argument("--target-steps", type=int, help="default: specserve.demo.train.TARGET_STEPS")
+    p.add_argument("--draft-steps", type=int, help="default: specserve.demo.train.DRAFT_STEPS")
+    p.add_argument("--draft-only", action="store_true",
+                   help="distil a new draft from the target already in OUT/target (stage 3 alone)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_demo)
     return parser

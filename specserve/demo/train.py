@@ -37,6 +37,11 @@ class Shape:
 
 TARGET_SHAPE = Shape(hidden=512, layers=8, heads=8, intermediate=1024)
 DRAFT_SHAPE = Shape(hidden=128, layers=2, heads=2, intermediate=320)
+TARGET_STEPS = 750
+# 600 steps (2.5 M tokens) left the draft short of what its size can learn: 2,400 (9.8 M tokens, about
+# three passes over the training files, soft labels each time) raised held-out alpha from 0.814 to 0.882
+# and the greedy match from 0.728 to 0.809 (models/README.md).
+DRAFT_STEPS = 2400
 
 
 def log(msg: str) -> None:
@@ -189,8 +194,8 @@ def save_bf16(model, tokenizer, out_dir: Path) -> None:
 def train_demo(
     out_dir: Path,
     vocab_size: int = 4096,
-    target_steps: int = 750,
-    draft_steps: int = 600,
+    target_steps: int = TARGET_STEPS,
+    draft_steps: int = DRAFT_STEPS,
     seed: int = 0,
 ) -> dict:
     torch.manual_seed(seed)
@@ -237,5 +242,32 @@ def train_demo(
         "seed": seed,
     }
     (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    log(f"done: {json.dumps(stats)}")
+    return stats
+
+
+def distil_draft(out_dir: Path, draft_steps: int = DRAFT_STEPS, seed: int = 0) -> dict:
+    """Stage 3 alone: distil a new draft from the target already in out_dir/target (the shipped bfloat16
+    weights, which are what `train_demo` distils from), with the same split, tokenizer and seeds; the
+    target's figures in training_stats.json are kept."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "target")
+    train_files, held_out_files = split_files()
+    train_stream = encode_files(tokenizer, train_files)
+    held_out_stream = encode_files(tokenizer, held_out_files)
+    target = AutoModelForCausalLM.from_pretrained(out_dir / "target", dtype=torch.bfloat16).eval()
+    draft = llama(DRAFT_SHAPE, len(tokenizer), tokenizer.convert_tokens_to_ids(EOT))
+    log(f"distilling a {num_params(draft) / 1e6:.3f} M-parameter draft for {draft_steps} steps")
+    draft_s = train_loop(draft, train_stream, draft_steps, 3e-3, seed + 2, "draft", distillation_loss(target))
+    save_bf16(draft, tokenizer, out_dir / "draft")
+    draft.to(torch.bfloat16)
+    stats_file = out_dir / "training_stats.json"
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    stats |= evaluate_pair(target, draft, held_out_stream)
+    stats |= {"draft_params": num_params(draft), "draft_steps": draft_steps, "draft_seconds": round(draft_s, 1)}
+    stats_file.write_text(json.dumps(stats, indent=2) + "\n")
     log(f"done: {json.dumps(stats)}")
     return stats
