@@ -6,6 +6,7 @@ Three stages, each reproducible from fixed seeds:
 3. the draft, a ~1 M-parameter Llama with the same tokenizer, distilled from the target: its loss is
    the cross-entropy against the target's full next-token distribution (soft labels), which is what
    raises the acceptance rate alpha = sum(min(p, q)).
+`distil_draft` (`specserve train-demo --draft-only`) runs stage 3 alone against the target already saved.
 """
 
 import json
