@@ -13,6 +13,14 @@ def positive_ints(text: str) -> list[int]:
     return [int(item) for item in items]
 
 
+def positive_int(text: str) -> int:
+    """"600" -> 600; a whole number of at least 1."""
+    item = text.strip()
+    if not (item.isascii() and item.isdigit() and int(item) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: want one positive whole number, as in 600")
+    return int(item)
+
+
 def temperatures(text: str) -> list[float]:
     """"0,0.7" -> [0.0, 0.7]; every item a number of at least 0."""
     try:

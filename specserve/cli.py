@@ -8,7 +8,7 @@ from pathlib import Path
 
 from deployment.defaults import MODELS_DIR
 from loadtest import PROMPTS_FILE
-from specserve.arguments import positive_ints, temperatures
+from specserve.arguments import positive_int, positive_ints, temperatures
 
 
 def _cmd_math(args) -> int:
@@ -54,11 +54,12 @@ def _cmd_make_prompts(args) -> int:
 def _cmd_train_demo(args) -> int:
     from specserve.demo.train import DRAFT_STEPS, TARGET_STEPS, distil_draft, train_demo
 
-    draft_steps = args.draft_steps or DRAFT_STEPS
+    draft_steps = DRAFT_STEPS if args.draft_steps is None else args.draft_steps
     if args.draft_only:
         distil_draft(Path(args.out), draft_steps=draft_steps, seed=args.seed)
     else:
-        train_demo(Path(args.out), vocab_size=args.vocab_size, target_steps=args.target_steps or TARGET_STEPS,
+        target_steps = TARGET_STEPS if args.target_steps is None else args.target_steps
+        train_demo(Path(args.out), vocab_size=args.vocab_size, target_steps=target_steps,
                    draft_steps=draft_steps, seed=args.seed)
     return 0
 
@@ -156,10 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-demo", help="train the shipped demo tokenizer, target and draft")
     p.add_argument("--out", default=str(MODELS_DIR))
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--target-steps", type=int, help="default: specserve.demo.train.TARGET_STEPS")
-    p.add_argument("--draft-steps", type=int, help="default: specserve.demo.train.DRAFT_STEPS")
-    p.add_argument("--draft-only", action="store_true",
-                   help="distil a new draft from the target already in OUT/target (stage 3 alone)")
+    stages = p.add_mutually_exclusive_group()  # --draft-only trains no target: its steps would be ignored
+    stages.add_argument("--target-steps", type=positive_int, help="default: specserve.demo.train.TARGET_STEPS")
+    stages.add_argument("--draft-only", action="store_true",
+                        help="distil a new draft from the target already in OUT/target (stage 3 alone)")
+    p.add_argument("--draft-steps", type=positive_int, help="default: specserve.demo.train.DRAFT_STEPS")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_demo)
     return parser

@@ -125,3 +125,17 @@ def test_split_is_the_model_cards_and_stable():
     stats = json.loads((MODELS_DIR / "training_stats.json").read_text())
     assert (len(train), len(held_out)) == (stats["train_files"], stats["held_out_files"])
     assert "asyncio/events.py" in train and split_files() == (train, held_out)
+
+
+@pytest.mark.parametrize("argv", [["--draft-steps", "0"], ["--target-steps", "-1"], ["--draft-steps", "1,2"],
+                                  ["--draft-only", "--target-steps", "5"]])
+def test_train_demo_refuses_step_counts_it_cannot_use(argv, capsys):
+    """A step count below 1 would save an untrained model; --target-steps with --draft-only would be
+    ignored: both are refused by the parser (usage, a reason, exit 2), before any training."""
+    from specserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["train-demo", *argv])
+    assert exit_.value.code == 2
+    assert "error: argument --" in capsys.readouterr().err
+

@@ -192,6 +192,15 @@ def save_bf16(model, tokenizer, out_dir: Path) -> None:
     model.float()
 
 
+def distil(draft, target, tokenizer, train_stream, steps: int, seed: int, out_dir: Path) -> float:
+    """Stage 3: distil draft from target (bfloat16, the weights that ship), save it to out_dir/draft and
+    leave it in bfloat16, as it ships, for the evaluation; the training's seconds."""
+    seconds = train_loop(draft, train_stream, steps, 3e-3, seed + 2, "draft", distillation_loss(target))
+    save_bf16(draft, tokenizer, out_dir / "draft")
+    draft.to(torch.bfloat16)
+    return seconds
+
+
 def train_demo(
     out_dir: Path,
     vocab_size: int = 4096,
@@ -221,10 +230,7 @@ def train_demo(
     save_bf16(target, tokenizer, out_dir / "target")
     target.to(torch.bfloat16)  # distil from exactly the weights that ship
 
-    draft_s = train_loop(draft, train_stream, draft_steps, 3e-3, seed + 2, "draft", distillation_loss(target))
-    save_bf16(draft, tokenizer, out_dir / "draft")
-
-    draft.to(torch.bfloat16)
+    draft_s = distil(draft, target, tokenizer, train_stream, draft_steps, seed, out_dir)
     stats = evaluate_pair(target, draft, held_out_stream)
     stats |= {
         "vocab_size": len(tokenizer),
@@ -262,9 +268,7 @@ def distil_draft(out_dir: Path, draft_steps: int = DRAFT_STEPS, seed: int = 0) -
     target = AutoModelForCausalLM.from_pretrained(out_dir / "target", dtype=torch.bfloat16).eval()
     draft = llama(DRAFT_SHAPE, len(tokenizer), tokenizer.convert_tokens_to_ids(EOT))
     log(f"distilling a {num_params(draft) / 1e6:.3f} M-parameter draft for {draft_steps} steps")
-    draft_s = train_loop(draft, train_stream, draft_steps, 3e-3, seed + 2, "draft", distillation_loss(target))
-    save_bf16(draft, tokenizer, out_dir / "draft")
-    draft.to(torch.bfloat16)
+    draft_s = distil(draft, target, tokenizer, train_stream, draft_steps, seed, out_dir)
     stats_file = out_dir / "training_stats.json"
     stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
     stats |= evaluate_pair(target, draft, held_out_stream)
