@@ -5,10 +5,14 @@ import argparse
 import math
 
 
+def _positive_whole(item: str) -> bool:
+    return item.isascii() and item.isdigit() and int(item) > 0
+
+
 def positive_ints(text: str) -> list[int]:
     """"1,4,16" -> [1, 4, 16]; every item a whole number of at least 1."""
     items = [item.strip() for item in text.split(",")]
-    if not all(item.isascii() and item.isdigit() and int(item) > 0 for item in items):
+    if not all(map(_positive_whole, items)):
         raise argparse.ArgumentTypeError(f"{text!r}: want positive whole numbers separated by commas, as in 1,4,16")
     return [int(item) for item in items]
 
@@ -16,7 +20,7 @@ def positive_ints(text: str) -> list[int]:
 def positive_int(text: str) -> int:
     """"600" -> 600; a whole number of at least 1."""
     item = text.strip()
-    if not (item.isascii() and item.isdigit() and int(item) > 0):
+    if not _positive_whole(item):
         raise argparse.ArgumentTypeError(f"{text!r}: want one positive whole number, as in 600")
     return int(item)
 
