@@ -25,12 +25,14 @@ BASELINE_MODEL_ID = "specserve-baseline"
 # to 7 at batch 1 and no better at 8 (models/README.md), so 6 stays.
 DEMO_NUM_SPECULATIVE_TOKENS = 6
 
-# enforce_eager keeps start-up near 20 s on CPU. On CPU gpu_memory_utilization is the share of RAM an
-# engine may use, model included: 0.1 leaves about 1.3 GB of KV cache (80k tokens) after the ~1 GB the
-# engine needs; 0.04 left none on a 24 GiB machine.
+# enforce_eager keeps start-up near 20 s on CPU. The KV cache is sized in bytes, not as a share of memory:
+# on CPU vLLM takes gpu_memory_utilization as a share of the first NUMA node's RAM, model included, and
+# nodes differ between machines of the same size (0.1 left 1.3 GB of KV cache where node 0 held all 24 GiB,
+# and none on a 24 GiB machine whose node 0 reports 9.3 GiB: the engine refused to start). 1.3 GB holds
+# about 80k tokens of the demo target.
 DEMO_ENGINE_KWARGS: dict[str, Any] = {
     "enforce_eager": True,
-    "gpu_memory_utilization": 0.1,
+    "kv_cache_memory_bytes": 1_300_000_000,
     "max_model_len": 1024,
     "disable_log_stats": False,
     # vLLM 0.32 on CPU crashes a seeded request whose prompt is prefilled in chunks
@@ -52,5 +54,6 @@ def cpu_engine_env() -> dict[str, str]:
 
 
 # Another machine's engine settings for the tests and benchmarks run against another pair
-# (scripts/gpu-cluster-check.sh): a JSON object whose keys replace the ones above.
+# (scripts/gpu-cluster-check.sh): a JSON object whose keys replace the ones above ("kv_cache_memory_bytes":
+# null hands the KV cache's size back to gpu_memory_utilization, as a GPU wants).
 DEMO_ENGINE_KWARGS |= json.loads(os.environ.get("SPECSERVE_ENGINE_KWARGS") or "{}")
