@@ -13,7 +13,8 @@ from execute_model to the end of sample_tokens, less the proposer's own time) ag
 tokens and drafts the scheduler gave it, and the engine's time from one decode step's end to the
 next one's start (the scheduler and the output processing, which handle every draft token); and once
 at start-up, after vLLM's warm-up, the target's forward at a range of token counts. Fixed-K and "off"
-engines need no costs and skip both.
+engines need no costs and skip both. Every step, whatever the policy, goes into a bounded step log
+(`plugin.step_profile.StepLog`) that the tooling takes with `specserve_take_step_log`.
 
 Requests that ask for a trace (`plugin.trace`) have each step recorded from what the scheduler sent to
 verify and what the step emitted; `specserve_take_trace` hands a finished trace over. A step with no
@@ -25,6 +26,7 @@ import time
 
 from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
+from plugin.step_profile import StepLog
 from plugin.trace import TEXT_CONTEXT, TraceBook, trace_key
 from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
@@ -40,6 +42,12 @@ class SpeculativeWorker(internals.platform_worker_class()):
     _decode_step_ended: float | None = None
     _draft_token_requests = 0  # the engine core's own take_draft_token_ids calls (drafts not on the output)
     _traced_step: dict | None = None  # request id -> the drafts this step verifies, for traced requests
+
+    @property
+    def step_log(self) -> StepLog:
+        if "_step_log" not in self.__dict__:
+            self._step_log = StepLog()
+        return self._step_log
 
     @property
     def traces(self) -> TraceBook:
@@ -82,25 +90,27 @@ class SpeculativeWorker(internals.platform_worker_class()):
             drafter.release(scheduler_output.finished_req_ids)
             self.traces.finish(scheduler_output.finished_req_ids)
         self._begin_trace_step(scheduler_output)
-        if drafter.policy.mode == "adaptive" and scheduler_output.total_num_scheduled_tokens:
+        self._step_started = None
+        if scheduler_output.total_num_scheduled_tokens:
             now = time.perf_counter()
-            drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
+            drafted = scheduler_output.scheduled_spec_decode_tokens.values()
+            drafts, longest = sum(map(len, drafted)), max(map(len, drafted), default=0)
             requests, tokens = len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
             decode_only = tokens == requests + drafts  # a step with a prompt in it says little about decoding
-            if decode_only and self._decode_step_ended is not None:
+            if drafter.policy.mode == "adaptive" and decode_only and self._decode_step_ended is not None:
                 drafter.policy.observe_engine(requests, drafts, now - self._decode_step_ended)
-            self._step_started = (now, requests, tokens, drafts > 0) if decode_only else None
+            self._step_started = (now, requests, tokens, drafts, longest, decode_only)
             drafter.last_step_seconds = 0.0
         self._decode_step_ended = None
         output = run(scheduler_output, *args, **kwargs)
         if output is not None:
-            self._end_step(drafter)
+            self._end_step(drafter, output)
             self._record_trace_step(output)
         return output
 
     def _sample_tokens(self, run, *args, **kwargs):
         output = run(*args, **kwargs)
-        self._end_step(self._draft_proposer())
+        self._end_step(self._draft_proposer(), output)
         self._record_trace_step(output)
         return internals.attach_draft_token_ids(self.model_runner, output)
 
@@ -141,16 +151,24 @@ class SpeculativeWorker(internals.platform_worker_class()):
             return trace
         return trace | {"k_max": drafter.k, "cost_ratio": drafter.policy.cost_ratio()}
 
-    def _end_step(self, drafter: DraftProposer | None) -> None:
-        """The target's time this step (the step less the proposer's part), for the step-cost model;
-        and when it ended, for the engine's time until the next step."""
+    def _end_step(self, drafter: DraftProposer | None, output) -> None:
+        """The step into the step log; for the adaptive step-cost model, a decode step's target time
+        (the step less the proposer's part) and when it ended, for the engine's time until the next step."""
         if drafter is None or self._step_started is None:
             return
-        started, requests, tokens, drafted = self._step_started
+        started, requests, tokens, drafts, longest, decode_only = self._step_started
         self._step_started = None
-        self._decode_step_ended = time.perf_counter()
-        seconds = self._decode_step_ended - started - drafter.last_step_seconds
-        drafter.policy.observe_target(requests, tokens, drafted, seconds)
+        ended = time.perf_counter()
+        emitted = sum(map(len, getattr(output, "sampled_token_ids", None) or ()))
+        self.step_log.append(started, requests, tokens, drafts, longest, emitted, ended - started, drafter.last_step_seconds)
+        if drafter.policy.mode == "adaptive" and decode_only:
+            self._decode_step_ended = ended
+            drafter.policy.observe_target(requests, tokens, drafts > 0, ended - started - drafter.last_step_seconds)
+
+    def specserve_take_step_log(self) -> list[tuple]:
+        """The steps recorded since the last take (`plugin.step_profile.StepLog`, at most its size),
+        removed from the worker: through `LLM.collective_rpc("specserve_take_step_log")`."""
+        return self.step_log.take()
 
     def specserve_force_costs(self, overrides: dict | None) -> None:
         """Pin step-cost coefficients in seconds (`StepCosts` fields), or None to lift the pin: for tests

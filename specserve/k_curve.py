@@ -6,6 +6,12 @@ each warms up, calibrates and is scheduled by the machine on its own. Here one e
 turn (`specserve_force_k`), each round in a shuffled order on that round's prompts, with prefix
 caching off so that no K finds another's prompts already cached. The table shows where the measured
 curve peaks, how flat it is near the top, and whether the model's curve has the same shape.
+
+It shows each K twice: over the whole point, and over its decode steps alone (the whole batch decoding,
+no prompt: `plugin.step_profile.decode_goodput`, from the worker's step log). The second is what the
+policy decides about: with every finished request replaced at once, steps that prefill a prompt took
+about half of a batch-16 point here and cost the same whatever K, which dilutes the point's differences
+between K and adds the noise of where the prompts fall.
 """
 
 import json
@@ -14,6 +20,7 @@ import sys
 
 from deployment.defaults import DEMO_NUM_SPECULATIVE_TOKENS
 from loadtest import load_prompts
+from plugin.step_profile import decode_goodput
 from specserve.arguments import positive_ints
 from specserve.bench import configurations, measure_point, requests_at, start_engine
 from specserve.engines import shutdown_llm
@@ -32,9 +39,12 @@ def run(batch_sizes: list[int], k_max: int, rounds: int, temperature: float, new
                 order_rng.shuffle(ks)
                 for k in ks:  # every K on the same prompts: this round's, from `first`
                     llm.collective_rpc("specserve_force_k", args=(k,))
+                    llm.collective_rpc("specserve_take_step_log")  # start the point's log empty
                     point = measure_point(llm, "specserve", prompts, batch, temperature, new_tokens, 0, first)
+                    decode = decode_goodput(llm.collective_rpc("specserve_take_step_log")[0], batch)
                     row = {"k": ADAPTIVE if k is None else k, "batch": batch, "round": r,
                            "tokens_per_s": point["tokens_per_s"],
+                           "decode_tokens_per_s": decode["tokens_per_s"], "decode_step_ms": decode["step_ms"],
                            "mean_acceptance_length": point["mean_acceptance_length"]}
                     rows.append(row)
                     log(row)
@@ -50,22 +60,31 @@ def run(batch_sizes: list[int], k_max: int, rounds: int, temperature: float, new
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Per batch size and K: median tokens/s over rounds, its ratio to the best fixed K's within each
-    round (median), the mean acceptance length, and the model's expectation (its last round)."""
+    round (median), the same for decode steps alone (`decode_goodput`: the steps with the whole batch
+    decoding and no prompt), the mean acceptance length, and the model's expectation (its last round)."""
     from statistics import median
+
+    def of_best(points, key):
+        ratios = [r[key] / best[key][r["round"]] for r in points if r.get(key) and best[key].get(r["round"])]
+        return median(ratios) if ratios else None
 
     out = []
     for batch in sorted({r["batch"] for r in rows}):
         measured = [r for r in rows if r["batch"] == batch and "tokens_per_s" in r]
         rounds = sorted({r["round"] for r in measured})
-        best = {rd: max(r["tokens_per_s"] for r in measured if r["round"] == rd and r["k"] != ADAPTIVE) for rd in rounds}
+        best = {key: {rd: max((r.get(key) or 0.0 for r in measured if r["round"] == rd and r["k"] != ADAPTIVE), default=0.0)
+                      for rd in rounds} for key in ("tokens_per_s", "decode_tokens_per_s")}
         model = {r["k"]: r for r in rows if r["batch"] == batch and "model_step_ms" in r}
         model_best = max((m["model_tokens_per_s"] for m in model.values()), default=None)
         for k in [ADAPTIVE, *sorted(k for k in {r["k"] for r in measured} if k != ADAPTIVE)]:
             points = [r for r in measured if r["k"] == k]
             lengths = [r["mean_acceptance_length"] for r in points if r["mean_acceptance_length"]]
+            decode_ms = [r["decode_step_ms"] for r in points if r.get("decode_step_ms")]
             m = model.get(k)
             out.append({"batch": batch, "k": k, "tokens_per_s": median(r["tokens_per_s"] for r in points),
-                        "of_best_fixed": median(r["tokens_per_s"] / best[r["round"]] for r in points),
+                        "of_best_fixed": of_best(points, "tokens_per_s"),
+                        "decode_of_best_fixed": of_best(points, "decode_tokens_per_s"),
+                        "decode_step_ms": median(decode_ms) if decode_ms else None,
                         "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else None,
                         "model_step_ms": m and m["model_step_ms"],
                         "model_of_best": m and model_best and m["model_tokens_per_s"] / model_best})
@@ -73,14 +92,16 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def print_summary(summary: list[dict]) -> None:
-    print(f"{'batch':>5} {'K':>9} {'tok/s':>8} {'of best fixed':>14} {'accept len':>11} "
-          f"{'model step ms':>14} {'model of best':>14}")
+    print(f"{'batch':>5} {'K':>9} {'tok/s':>8} {'of best fixed':>14} {'decode: of best':>16} {'step ms':>8} "
+          f"{'accept len':>11} {'model step ms':>14} {'model of best':>14}")
     for s in summary:
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{s['batch']:>5} {s['k']!s:>9} {s['tokens_per_s']:>8.1f} {s['of_best_fixed']:>13.2f}x "
+        print(f"{s['batch']:>5} {s['k']!s:>9} {s['tokens_per_s']:>8.1f} {fmt(s['of_best_fixed'], '.2f'):>13}x "
+              f"{fmt(s['decode_of_best_fixed'], '.2f'):>15}x {fmt(s['decode_step_ms'], '.1f'):>8} "
               f"{fmt(s['mean_acceptance_length'], '.2f'):>11} {fmt(s['model_step_ms'], '.2f'):>14} "
               f"{fmt(s['model_of_best'], '.2f'):>14}")
-    print("tok/s: median over rounds; of best fixed: within each round, median; model: the policy's step-cost "
+    print("tok/s: median over rounds; of best fixed: within each round, median; decode: the same over the steps "
+          "in which the whole batch decoded (no prompt), with their measured step ms; model: the policy's step-cost "
           "model at each K with the engine's acceptance (step ms of a decode step, tokens/s relative to its best K)")
 
 

@@ -214,15 +214,21 @@ def test_a_forced_k_drafts_that_many_for_every_request_and_is_lifted(plain_llm, 
     plain = token_ids(plain_llm.generate(prompts, greedy(32)))
     before = spec_llm.collective_rpc("specserve_stats")[0]["chosen_k_histogram"]
     spec_llm.collective_rpc("specserve_force_k", args=(2,))
+    spec_llm.collective_rpc("specserve_take_step_log")
     try:
         forced = spec_llm.generate(prompts, greedy(32))
         during = spec_llm.collective_rpc("specserve_stats")[0]
+        steps = spec_llm.collective_rpc("specserve_take_step_log")[0]
     finally:
         spec_llm.collective_rpc("specserve_force_k", args=(None,))
     chosen = [a - b for a, b in zip(during["chosen_k_histogram"], before)]
     assert during["forced_k"] == 2 and chosen[2] >= 3 * 8  # 32 tokens, at most 3 a step
     assert sum(chosen) == chosen[2]
     assert token_ids(forced) == plain
+    # The step log saw every step: the tokens they emitted (the last step may overshoot max_tokens by the
+    # drafts it accepted), drafts of 2 at most, and decode steps that carried them.
+    assert 3 * 32 <= sum(r[5] for r in steps) <= 3 * 32 + 3 * 2
+    assert max(r[4] for r in steps) == 2 and any(r[3] == 2 * r[1] == r[2] - r[1] for r in steps)
     assert spec_llm.collective_rpc("specserve_stats")[0]["forced_k"] is None
 
 

@@ -23,3 +23,15 @@ def test_each_k_is_compared_with_the_best_fixed_k_of_its_own_round():
     assert summary[2]["tokens_per_s"] == pytest.approx(300.0)  # the median over the two rounds
     assert summary[1]["model_of_best"] == pytest.approx(1.0) and summary[2]["model_of_best"] == pytest.approx(0.9)
     assert summary[ADAPTIVE]["model_step_ms"] is None and summary[0]["mean_acceptance_length"] is None
+
+
+def test_the_decode_comparison_uses_decode_steps_and_tolerates_points_without_any():
+    """Decode tokens/s are compared with the best fixed K's decode tokens/s of the same round; a point
+    whose log held no full-batch decode step (None) drops out of the ratio instead of failing it."""
+    rows = [{"batch": 16, "round": 0, "k": k, "tokens_per_s": 100.0, "mean_acceptance_length": 2.0,
+             "decode_tokens_per_s": d, "decode_step_ms": ms}
+            for k, d, ms in ((ADAPTIVE, 380.0, 50.0), (1, 300.0, 40.0), (2, 400.0, 55.0), (3, None, None))]
+    summary = {row["k"]: row for row in summarise(rows)}
+    assert summary[ADAPTIVE]["decode_of_best_fixed"] == pytest.approx(0.95)
+    assert summary[1]["decode_of_best_fixed"] == pytest.approx(0.75) and summary[1]["decode_step_ms"] == 40.0
+    assert summary[3]["decode_of_best_fixed"] is None and summary[3]["of_best_fixed"] == pytest.approx(1.0)
