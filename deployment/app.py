@@ -38,7 +38,8 @@ class SpecServeArgs(BaseModel):
                                           description="vLLM engine arguments shared by both models")
     speculative_options: dict[str, Any] = Field(default_factory=dict,
                                                 description="extra speculative_engine_kwargs options "
-                                                            "(k_policy: adaptive, the default; fixed; off)")
+                                                            "(k_policy: adaptive, the default; fixed; off; request_speed_floor: "
+                                                            "a share of a request's plain speed none falls below)")
     speculative_variants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="more speculative model ids on the same target and draft, each with its own "

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any
 
-from plugin.speculation_policy import POLICIES
+from plugin.speculation_policy import POLICIES, check_speed_floor
 
 PROPOSER_CLASS = "plugin.proposer.DraftProposer"
 WORKER_CLASS = "plugin.worker.SpeculativeWorker"
@@ -61,6 +61,7 @@ def speculative_engine_kwargs(
     compile_draft: str = "auto",
     per_request_metrics: str = "summary",
     k_policy: str = "adaptive",
+    request_speed_floor: float | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
     and Ray Serve LLM's `engine_kwargs`.
@@ -70,6 +71,11 @@ def speculative_engine_kwargs(
     k_policy: "adaptive" (default: each request's K in 0..K_max chosen every step for the most tokens per
         second, from its live acceptance and the step costs measured in the engine; K = 0 runs no draft
         work), "fixed" (K_max for every request, every step) or "off" (no drafting at all).
+    request_speed_floor: with the adaptive policy, a share f in (0, 1] of a request's speed without
+        speculation that no request's expected tokens per second may fall below (1: none slower than
+        plain). Off (None) by default: the step's goodput alone, which a request the draft predicts badly
+        pays for, since its step is as long as the others' drafts make it; the floor trades throughput
+        for the slowest requests' latency (P95).
     target_model: when given, the vocabulary check runs here, before any engine starts; the engine
         checks again at start-up either way.
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
@@ -87,6 +93,7 @@ def speculative_engine_kwargs(
         raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
     if k_policy not in POLICIES:
         raise ValueError(f"k_policy must be one of {POLICIES}, not {k_policy!r}")
+    check_speed_floor(request_speed_floor)
     if target_model is not None:
         check_shared_vocabulary(target_model, draft_model)
     options = {
@@ -98,6 +105,7 @@ def speculative_engine_kwargs(
         "profile_steps": profile_steps,
         "compile_draft": compile_draft,
         "k_policy": k_policy,
+        "request_speed_floor": request_speed_floor,
     }
     return {
         "speculative_config": {

@@ -99,7 +99,8 @@ class DraftProposer:
         self.compile = compile_draft == "on" or (compile_draft == "auto" and self.device.type == "cuda")
         self.decode: Optional[CompiledDecode] = None
         self._fault_rng = random.Random(0)
-        self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows)
+        self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows,
+                                        options.get("request_speed_floor"))
 
         self.model: Optional[DraftModel] = None
         self.runner = None

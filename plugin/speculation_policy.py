@@ -63,12 +63,21 @@ def expected_tokens(acceptance: np.ndarray, k: np.ndarray) -> np.ndarray:
     return 1.0 + (gains * taken).sum(axis=1)
 
 
-def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | None = None) -> np.ndarray:
+def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | None = None,
+                         speed_floor: float | None = None) -> np.ndarray:
     """K_i [n] in 0..max_k maximising sum(E_i(K_i)) / step time; K = 0 for all when drafting does not pay.
 
     For a fixed longest draft M, the best set of d draft tokens is the d largest gains among positions
     below M (a prefix of each row, since a row's gains never grow), and the time depends on d alone;
-    so trying every M and every d is an exact search, sorted once: O(K_max * n * K_max)."""
+    so trying every M and every d is an exact search, sorted once: O(K_max * n * K_max).
+
+    speed_floor (0 < f <= 1), when given, keeps every request's expected tokens per second at f of its
+    rate without drafts or above: E_i(K_i) / step time >= f / base. The step is every request's step, so
+    a long one made by others' drafts slows a request the draft predicts badly, which emits little more
+    than one token a step; the floor bounds the step by the worst-served request. The search then takes
+    the best of the same candidates that keep the floor (exact without it; with it, a set that gave a
+    poorly predicted row a draft out of gain order could do better, and is not tried).
+    O(K_max * n * K_max * n) with it."""
     n, width = acceptance.shape
     max_k = width if max_k is None else min(max_k, width)
     best_k, best_rate = np.zeros(n, dtype=np.int64), n / costs.base if costs.base > 0 else 0.0
@@ -84,6 +93,12 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     tokens = n + np.cumsum(np.where(within, gain_sorted[None, :], 0.0), axis=1)
     time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
     rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
+    if speed_floor is not None:
+        mine = rows_sorted[None, :] == np.arange(n)[:, None]  # [n, n * max_k] which row each gain is
+        taken_gain = np.where(within, gain_sorted[None, :], 0.0)  # [max_k, n * max_k]
+        row_tokens = 1.0 + np.cumsum(taken_gain[:, None, :] * mine[None, :, :], axis=2)  # [max_k, n, n * max_k]
+        kept = row_tokens.min(axis=1) * costs.base >= speed_floor * time  # [max_k, n * max_k]
+        rate = np.where(kept, rate, -np.inf)
     m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
     if rate[m, pick] > best_rate * (1 + 1e-9):
         taken = within[m, : pick + 1]
@@ -218,6 +233,11 @@ def _sigmoid(x):
 POLICIES = ("adaptive", "fixed", "off")
 
 
+def check_speed_floor(speed_floor: float | None) -> None:
+    if speed_floor is not None and not (isinstance(speed_floor, (int, float)) and 0 < speed_floor <= 1):
+        raise ValueError(f"request_speed_floor must be a share of a request's plain speed in (0, 1] or None, not {speed_floor!r}")
+
+
 class SpeculationPolicy:
     """K per request for the next step, in one of three modes: "adaptive" (goodput-maximising, above),
     "fixed" (K_max for every request that can draft) or "off" (no drafting: the engine runs as a plain
@@ -255,10 +275,11 @@ class SpeculationPolicy:
     DRAFT_FEATURES = ("overhead", "drafting", "per_forward", "per_row_forward")
     ENGINE_FEATURES = ("step", "per_request", "per_draft_token")
 
-    def __init__(self, mode: str, max_k: int, rows: int):
+    def __init__(self, mode: str, max_k: int, rows: int, speed_floor: float | None = None):
         if mode not in POLICIES:
             raise ValueError(f"k_policy must be one of {POLICIES}, not {mode!r}")
-        self.mode, self.max_k = mode, max_k
+        check_speed_floor(speed_floor)
+        self.mode, self.max_k, self.speed_floor = mode, max_k, speed_floor
         self.acceptance = AcceptanceTracker(max_k, rows)
         # The target forward's seconds by tokens, piecewise linear between calibrated points; before any
         # calibration, 1 ms per token with a free scale.
@@ -377,7 +398,7 @@ class SpeculationPolicy:
             k[eligible] = self.max_k
         elif self.mode == "adaptive" and len(eligible):
             acceptance = self.acceptance.estimate(len(candidates))[eligible]
-            k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k)
+            k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k, self.speed_floor)
             if k.any():
                 self.steps_without_drafts = 0
             elif self.steps_without_drafts >= self.PROBE_INTERVAL and not self.forced:
@@ -405,6 +426,7 @@ class SpeculationPolicy:
         costs = self.costs(1)
         return {
             "k_policy": self.mode,
+            "request_speed_floor": self.speed_floor,
             "chosen_k_histogram": self.histogram.tolist(),
             "probes": self.probes,
             "forced_k": self.forced_k,

@@ -14,7 +14,7 @@ tokens and drafts the scheduler gave it, and the engine's time from one decode s
 next one's start (the scheduler and the output processing, which handle every draft token); and once
 at start-up, after vLLM's warm-up, the target's forward at a range of token counts. Fixed-K and "off"
 engines need no costs and skip both. Every step, whatever the policy, goes into a bounded step log
-(`plugin.step_profile.StepLog`) that the tooling takes with `specserve_take_step_log`.
+(`plugin.step_log.StepLog`) that the tooling takes with `specserve_take_step_log`.
 
 Requests that ask for a trace (`plugin.trace`) have each step recorded from what the scheduler sent to
 verify and what the step emitted; `specserve_take_trace` hands a finished trace over. A step with no
@@ -26,7 +26,7 @@ import time
 
 from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
-from plugin.step_profile import StepLog
+from plugin.step_log import StepLog
 from plugin.trace import TEXT_CONTEXT, TraceBook, trace_key
 from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
@@ -166,7 +166,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
             drafter.policy.observe_target(requests, tokens, drafts > 0, ended - started - drafter.last_step_seconds)
 
     def specserve_take_step_log(self) -> list[tuple]:
-        """The steps recorded since the last take (`plugin.step_profile.StepLog`, at most its size),
+        """The steps recorded since the last take (`plugin.step_log.StepLog`, at most its size),
         removed from the worker: through `LLM.collective_rpc("specserve_take_step_log")`."""
         return self.step_log.take()
 

@@ -8,7 +8,7 @@ caching off so that no K finds another's prompts already cached. The table shows
 curve peaks, how flat it is near the top, and whether the model's curve has the same shape.
 
 It shows each K twice: over the whole point, and over its decode steps alone (the whole batch decoding,
-no prompt: `plugin.step_profile.decode_goodput`, from the worker's step log). The second is what the
+no prompt: `plugin.step_log.decode_goodput`, from the worker's step log). The second is what the
 policy decides about: with every finished request replaced at once, steps that prefill a prompt took
 about half of a batch-16 point here and cost the same whatever K, which dilutes the point's differences
 between K and adds the noise of where the prompts fall.
@@ -20,7 +20,7 @@ import sys
 
 from deployment.defaults import DEMO_NUM_SPECULATIVE_TOKENS
 from loadtest import load_prompts
-from plugin.step_profile import decode_goodput
+from plugin.step_log import decode_goodput
 from specserve.arguments import positive_ints
 from specserve.bench import configurations, measure_point, requests_at, start_engine
 from specserve.engines import shutdown_llm

@@ -60,6 +60,55 @@ def test_matches_brute_force_on_small_cases(seed):
     assert goodput(acceptance, costs, k) == pytest.approx(brute_force(acceptance, costs, max_k), rel=1e-9)
 
 
+def slowest_share(acceptance, costs, k) -> float:
+    """The worst-served request's expected tokens per second over its rate without drafts."""
+    return float(expected_tokens(acceptance, np.asarray(k)).min() * costs.base / costs.step_time(np.asarray(k)))
+
+
+def test_a_speed_floor_keeps_a_poorly_predicted_request_from_paying_for_the_others_drafts():
+    """Three requests the draft predicts well and one it predicts less well, on a batch-4 CPU step (about
+    1 ms per draft token): goodput alone drafts 5 for the three and none for the fourth, which then runs
+    at 0.44 of its plain speed; a floor of 1 gives every request a draft and keeps the fourth at its plain
+    speed or above, for less goodput. One the draft predicts very badly (0.2) leaves no draft that keeps
+    a floor of 1, so nothing drafts."""
+    acceptance = np.array([[0.9] * 6] * 3 + [[0.45] * 6])
+    costs = StepCosts(base=0.0145, drafting=0.001, per_draft_token=0.001, per_draft_forward=0.0005)
+    free = choose_draft_lengths(acceptance, costs)
+    floored = choose_draft_lengths(acceptance, costs, speed_floor=1.0)
+    assert slowest_share(acceptance, costs, free) < 0.5, free
+    assert slowest_share(acceptance, costs, floored) >= 1.0 and floored.min() > 0, floored
+    assert 0.75 * goodput(acceptance, costs, free) < goodput(acceptance, costs, floored) < goodput(acceptance, costs, free)
+    acceptance[3] = 0.2
+    assert choose_draft_lengths(acceptance, costs, speed_floor=1.0).tolist() == [0, 0, 0, 0]
+    # A looser floor allows more: the kept share falls with the floor, the goodput rises.
+    half = choose_draft_lengths(acceptance, costs, speed_floor=0.5)
+    assert slowest_share(acceptance, costs, half) >= 0.5
+    assert goodput(acceptance, costs, floored) <= goodput(acceptance, costs, half) <= goodput(acceptance, costs, free)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_with_a_speed_floor_the_choice_keeps_it_and_is_never_worse_than_no_drafts(seed):
+    """On random small cases: the floor holds for every request, the goodput is at least that of no
+    drafts (always allowed) and at most the brute-force optimum without a floor."""
+    rng = np.random.default_rng(seed)
+    n, max_k = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    acceptance = rng.uniform(0.0, 1.0, (n, max_k)) ** rng.uniform(0.2, 2.0)
+    costs = StepCosts(base=rng.uniform(0.001, 0.02), drafting=rng.uniform(0, 0.005),
+                      per_draft_token=rng.uniform(0, 0.004), per_draft_forward=rng.uniform(0, 0.004))
+    floor = float(rng.uniform(0.3, 1.0))
+    k = choose_draft_lengths(acceptance, costs, max_k, speed_floor=floor)
+    assert slowest_share(acceptance, costs, k) >= floor - 1e-12
+    assert goodput(acceptance, costs, np.zeros(n, int)) <= goodput(acceptance, costs, k) * (1 + 1e-9)
+    assert goodput(acceptance, costs, k) <= brute_force(acceptance, costs, max_k) * (1 + 1e-9)
+
+
+def test_a_speed_floor_outside_0_to_1_is_refused():
+    for bad in (0, -0.5, 1.5, "1"):
+        with pytest.raises(ValueError, match="request_speed_floor"):
+            SpeculationPolicy("adaptive", 4, 2, speed_floor=bad)
+    assert SpeculationPolicy("adaptive", 4, 2, speed_floor=1).summary()["request_speed_floor"] == 1
+
+
 def test_acceptance_tracker_learns_per_request_and_per_position():
     tracker = AcceptanceTracker(max_k=4, rows=2)
     for _ in range(200):  # row 0 accepts every draft; row 1 accepts its first draft only

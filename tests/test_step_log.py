@@ -2,7 +2,7 @@
 
 import pytest
 
-from plugin.step_profile import StepLog, decode_goodput
+from plugin.step_log import StepLog, decode_goodput
 
 
 def step(started, requests, tokens, drafts, emitted):
