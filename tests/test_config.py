@@ -28,3 +28,11 @@ def test_speculative_engine_kwargs_selects_the_plugin():
     assert kwargs["worker_cls"] == "plugin.worker.SpeculativeWorker"
     with pytest.raises(ValueError, match="at least 1"):
         speculative_engine_kwargs("models/draft", 0)
+
+
+def test_a_request_speed_floor_reaches_the_speculator_and_a_bad_one_is_refused():
+    options = speculative_engine_kwargs("models/draft", 4, request_speed_floor=0.8)["additional_config"]["specserve"]
+    assert options["request_speed_floor"] == 0.8
+    assert speculative_engine_kwargs("models/draft", 4)["additional_config"]["specserve"]["request_speed_floor"] is None
+    with pytest.raises(ValueError, match="request_speed_floor"):
+        speculative_engine_kwargs("models/draft", 4, request_speed_floor=1.5)
