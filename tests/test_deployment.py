@@ -482,3 +482,17 @@ def test_k_sweep_profile_serves_fixed_k_variants_beside_the_adaptive_model():
         SpecServeArgs(speculative_variants={"x": {"k_policy": "sometimes"}})
     with pytest.raises(ValidationError, match="reuse the model ids"):
         SpecServeArgs(speculative_variants={BASELINE: {}})
+
+
+def test_floor_sweep_profile_serves_request_speed_floor_variants_beside_the_default():
+    from pydantic import ValidationError
+
+    from deployment.app import SpecServeArgs, llm_configs
+
+    configs = {c.model_id: c.engine_kwargs for c in llm_configs(app_args("configs/floor-sweep.yaml"))}
+    assert list(configs) == [SPEC, BASELINE, "specserve-floor1", "specserve-floor08"]
+    floors = {m: configs[m]["additional_config"]["specserve"]["request_speed_floor"]
+              for m in (SPEC, "specserve-floor1", "specserve-floor08")}
+    assert floors == {SPEC: None, "specserve-floor1": 1.0, "specserve-floor08": 0.8}
+    with pytest.raises(ValidationError, match="request_speed_floor"):
+        SpecServeArgs(speculative_variants={"x": {"request_speed_floor": 2}})
