@@ -90,12 +90,12 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     longest = np.arange(1, max_k + 1)[:, None]  # [max_k, 1] candidate M
     within = pos_sorted[None, :] < longest  # [max_k, n * max_k] the gains a draft of at most M may take
     d = np.cumsum(within, axis=1)  # [max_k, n * max_k] draft tokens when taking up to this gain
-    tokens = n + np.cumsum(np.where(within, gain_sorted[None, :], 0.0), axis=1)
+    taken_gain = np.where(within, gain_sorted[None, :], 0.0)  # [max_k, n * max_k]
+    tokens = n + np.cumsum(taken_gain, axis=1)
     time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
     rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
     if speed_floor is not None:
         mine = rows_sorted[None, :] == np.arange(n)[:, None]  # [n, n * max_k] which row each gain is
-        taken_gain = np.where(within, gain_sorted[None, :], 0.0)  # [max_k, n * max_k]
         row_tokens = 1.0 + np.cumsum(taken_gain[:, None, :] * mine[None, :, :], axis=2)  # [max_k, n, n * max_k]
         kept = row_tokens.min(axis=1) * costs.base >= speed_floor * time  # [max_k, n * max_k]
         rate = np.where(kept, rate, -np.inf)
@@ -234,7 +234,7 @@ POLICIES = ("adaptive", "fixed", "off")
 
 
 def check_speed_floor(speed_floor: float | None) -> None:
-    if speed_floor is not None and not (isinstance(speed_floor, (int, float)) and 0 < speed_floor <= 1):
+    if speed_floor is not None and (isinstance(speed_floor, bool) or not (isinstance(speed_floor, (int, float)) and 0 < speed_floor <= 1)):
         raise ValueError(f"request_speed_floor must be a share of a request's plain speed in (0, 1] or None, not {speed_floor!r}")
 
 

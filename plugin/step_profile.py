@@ -52,4 +52,3 @@ class StepProfile:
         finally:
             self.sync()
             self.seconds[name] += time.perf_counter() - start
-

@@ -103,7 +103,7 @@ def test_with_a_speed_floor_the_choice_keeps_it_and_is_never_worse_than_no_draft
 
 
 def test_a_speed_floor_outside_0_to_1_is_refused():
-    for bad in (0, -0.5, 1.5, "1"):
+    for bad in (0, -0.5, 1.5, "1", True):
         with pytest.raises(ValueError, match="request_speed_floor"):
             SpeculationPolicy("adaptive", 4, 2, speed_floor=bad)
     assert SpeculationPolicy("adaptive", 4, 2, speed_floor=1).summary()["request_speed_floor"] == 1
