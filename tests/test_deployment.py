@@ -484,15 +484,17 @@ def test_k_sweep_profile_serves_fixed_k_variants_beside_the_adaptive_model():
         SpecServeArgs(speculative_variants={BASELINE: {}})
 
 
-def test_floor_sweep_profile_serves_request_speed_floor_variants_beside_the_default():
+def test_floor_sweep_profile_serves_a_floor_variant_and_fixed_ks_beside_the_default():
     from pydantic import ValidationError
 
     from deployment.app import SpecServeArgs, llm_configs
 
     configs = {c.model_id: c.engine_kwargs for c in llm_configs(app_args("configs/floor-sweep.yaml"))}
-    assert list(configs) == [SPEC, BASELINE, "specserve-floor1", "specserve-floor08"]
-    floors = {m: configs[m]["additional_config"]["specserve"]["request_speed_floor"]
-              for m in (SPEC, "specserve-floor1", "specserve-floor08")}
-    assert floors == {SPEC: None, "specserve-floor1": 1.0, "specserve-floor08": 0.8}
+    assert list(configs) == [SPEC, BASELINE, "specserve-floor08", "specserve-k4", "specserve-k6"]
+    options = {m: configs[m]["additional_config"]["specserve"] for m in configs if m != BASELINE}
+    assert {m: o["request_speed_floor"] for m, o in options.items()} == {
+        SPEC: None, "specserve-floor08": 0.8, "specserve-k4": None, "specserve-k6": None}
+    assert {m: o["k_policy"] for m, o in options.items()} == {
+        SPEC: "adaptive", "specserve-floor08": "adaptive", "specserve-k4": "fixed", "specserve-k6": "fixed"}
     with pytest.raises(ValidationError, match="request_speed_floor"):
         SpecServeArgs(speculative_variants={"x": {"request_speed_floor": 2}})
