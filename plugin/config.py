@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any
 
-from plugin.speculation_policy import POLICIES, check_speed_floor
+from plugin.speculation_policy import DEFAULT_SPEED_FLOOR, POLICIES, check_speed_floor
 
 PROPOSER_CLASS = "plugin.proposer.DraftProposer"
 WORKER_CLASS = "plugin.worker.SpeculativeWorker"
@@ -61,7 +61,7 @@ def speculative_engine_kwargs(
     compile_draft: str = "auto",
     per_request_metrics: str = "summary",
     k_policy: str = "adaptive",
-    request_speed_floor: float | None = None,
+    request_speed_floor: float | None = DEFAULT_SPEED_FLOOR,
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
     and Ray Serve LLM's `engine_kwargs`.
@@ -73,9 +73,9 @@ def speculative_engine_kwargs(
         work), "fixed" (K_max for every request, every step) or "off" (no drafting at all).
     request_speed_floor: with the adaptive policy, a share f in (0, 1] of a request's speed without
         speculation that no request's expected tokens per second may fall below (1: none slower than
-        plain). Off (None) by default: the step's goodput alone, which a request the draft predicts badly
-        pays for, since its step is as long as the others' drafts make it; the floor trades throughput
-        for the slowest requests' latency (P95).
+        plain). 0.8 by default: the step's goodput alone is paid for by a request the draft predicts
+        badly, since its step is as long as the others' drafts make it, and such requests are the
+        slowest (P95); None maximises the step's goodput alone.
     target_model: when given, the vocabulary check runs here, before any engine starts; the engine
         checks again at start-up either way.
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted

@@ -37,7 +37,7 @@ from plugin.compiled_decode import CompiledDecode
 from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
-from plugin.speculation_policy import SpeculationPolicy
+from plugin.speculation_policy import DEFAULT_SPEED_FLOOR, SpeculationPolicy
 from plugin.step_profile import StepProfile, work_clock
 
 logger = logging.getLogger("specserve.proposer")
@@ -100,7 +100,7 @@ class DraftProposer:
         self.decode: Optional[CompiledDecode] = None
         self._fault_rng = random.Random(0)
         self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows,
-                                        options.get("request_speed_floor"))
+                                        options.get("request_speed_floor", DEFAULT_SPEED_FLOOR))
 
         self.model: Optional[DraftModel] = None
         self.runner = None

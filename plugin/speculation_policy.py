@@ -76,8 +76,8 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     a long one made by others' drafts slows a request the draft predicts badly, which emits little more
     than one token a step; the floor bounds the step by the worst-served request. The search then takes
     the best of the same candidates that keep the floor (exact without it; with it, a set that gave a
-    poorly predicted row a draft out of gain order could do better, and is not tried).
-    O(K_max * n * K_max * n) with it."""
+    poorly predicted row a draft out of gain order could do better, and is not tried; see
+    `_floor_kept`)."""
     n, width = acceptance.shape
     max_k = width if max_k is None else min(max_k, width)
     best_k, best_rate = np.zeros(n, dtype=np.int64), n / costs.base if costs.base > 0 else 0.0
@@ -95,15 +95,42 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
     rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
     if speed_floor is not None:
-        mine = rows_sorted[None, :] == np.arange(n)[:, None]  # [n, n * max_k] which row each gain is
-        row_tokens = 1.0 + np.cumsum(taken_gain[:, None, :] * mine[None, :, :], axis=2)  # [max_k, n, n * max_k]
-        kept = row_tokens.min(axis=1) * costs.base >= speed_floor * time  # [max_k, n * max_k]
-        rate = np.where(kept, rate, -np.inf)
+        rank = np.empty(n * max_k, dtype=np.int64)
+        rank[order] = np.arange(n * max_k)
+        rate = np.where(_floor_kept(gains, rank.reshape(n, max_k), time, costs.base / speed_floor), rate, -np.inf)
     m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
     if rate[m, pick] > best_rate * (1 + 1e-9):
         taken = within[m, : pick + 1]
         best_k = np.bincount(rows_sorted[: pick + 1][taken], minlength=n).astype(np.int64)
     return best_k
+
+
+def _floor_kept(gains: np.ndarray, rank: np.ndarray, time: np.ndarray, bound_per_token: float) -> np.ndarray:
+    """Which candidates keep the speed floor, kept [max_k, N] (N = n * max_k): candidate (M, p) takes the
+    gains at sorted places 0..p below position M, and keeps the floor when every row's expected tokens,
+    1 plus its taken gains, times bound_per_token (base / floor) is at least the candidate's time.
+
+    gains [n, max_k], each row's gains; rank [n, max_k], the sorted place of each (increasing along a row);
+    time [max_k, N], each candidate's step time, never decreasing in p (costs are non-negative).
+    A row's tokens are a step function of p: 1 before its first taken place, 1 + g_0 from there to its
+    second, and so on up to M gains. Each such stretch fails the floor from the first p whose time
+    exceeds its tokens' bound (one search in a sorted row of times) to its end, so the candidates that
+    fail are a union of n * (M + 1) intervals, marked with a difference array: O(K_max * n * K_max * log N),
+    where testing each row at each candidate would take O(K_max * n * N)."""
+    n, max_k = gains.shape
+    places = time.shape[1]
+    tokens = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(gains, axis=1)], axis=1)  # [n, max_k + 1] by count c
+    enters = np.concatenate([np.zeros((n, 1), dtype=np.int64), rank], axis=1)  # [n, max_k + 1] where count c starts
+    kept = np.empty(time.shape, dtype=bool)
+    for m in range(max_k):  # candidate longest draft M = m + 1: counts 0..M
+        lo = enters[:, : m + 2]  # [n, M + 1]
+        hi = np.concatenate([rank[:, : m + 1], np.full((n, 1), places)], axis=1)  # [n, M + 1]
+        fails_from = np.maximum(lo, np.searchsorted(time[m], tokens[:, : m + 2] * bound_per_token, side="right"))
+        fails = fails_from < hi
+        marks = (np.bincount(fails_from[fails], minlength=places + 1)
+                 - np.bincount(hi[fails], minlength=places + 1))  # [N + 1]
+        kept[m] = np.cumsum(marks[:places]) == 0
+    return kept
 
 
 @dataclass
@@ -231,6 +258,11 @@ def _sigmoid(x):
 
 
 POLICIES = ("adaptive", "fixed", "off")
+# The engine's default request speed floor (`speculative_engine_kwargs`; None turns it off): no request's
+# expected tokens per second below 0.8 of its speed without drafts. Load tests here at concurrency 1 to
+# 32 (README, ninth session) found it cut the slowest requests without costing throughput, where a floor
+# of 1 cost throughput whenever one badly predicted request shared the batch.
+DEFAULT_SPEED_FLOOR = 0.8
 
 
 def check_speed_floor(speed_floor: float | None) -> None:

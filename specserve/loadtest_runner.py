@@ -67,6 +67,14 @@ def speculation_stats(url: str, model: str) -> dict | None:
     return stats if stats and stats.get("enabled") else None
 
 
+def policy_label(stats: dict) -> str:
+    """'adaptive (K_max 6, request speed floor 0.8)' from a speculative engine's stats, for the title."""
+    details = [f"K_max {stats.get('k_max', '?')}"]
+    if stats.get("k_policy") == "adaptive" and stats.get("request_speed_floor") is not None:
+        details.append(f"request speed floor {stats['request_speed_floor']}")
+    return f"{stats.get('k_policy', '?')} ({', '.join(details)})"
+
+
 def models_label(url: str, model: str) -> str:
     """'target <name> / draft <name>' from the speculative engine's settings, for the charts' title."""
     stats = speculation_stats(url, model) or {}
@@ -165,7 +173,7 @@ def main(args) -> int:
     for target, m in memory.items():
         m["change"] = (m["at_end_bytes"] - m["after_warm_up_bytes"]) / max(m["after_warm_up_bytes"], 1)
     extra = {"host": args.host, "duration_s": args.duration, "rounds": args.rounds, "models_label": title_models,
-             "k_policy": f"{spec_stats.get('k_policy', '?')} (K_max {spec_stats.get('k_max', '?')})",
+             "k_policy": policy_label(spec_stats),
              **{o.dest: getattr(args, o.dest) for o in _options.OPTIONS}, "replica_memory": memory}
     write_outputs(out, summary, speed, plan, extra)
     print((out / "report.md").read_text())

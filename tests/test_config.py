@@ -31,8 +31,11 @@ def test_speculative_engine_kwargs_selects_the_plugin():
 
 
 def test_a_request_speed_floor_reaches_the_speculator_and_a_bad_one_is_refused():
-    options = speculative_engine_kwargs("models/draft", 4, request_speed_floor=0.8)["additional_config"]["specserve"]
-    assert options["request_speed_floor"] == 0.8
-    assert speculative_engine_kwargs("models/draft", 4)["additional_config"]["specserve"]["request_speed_floor"] is None
+    def floor(**kwargs):
+        return speculative_engine_kwargs("models/draft", 4, **kwargs)["additional_config"]["specserve"]["request_speed_floor"]
+
+    assert floor() == 0.8  # on by default
+    assert floor(request_speed_floor=1.0) == 1.0
+    assert floor(request_speed_floor=None) is None  # the step's goodput alone
     with pytest.raises(ValueError, match="request_speed_floor"):
         speculative_engine_kwargs("models/draft", 4, request_speed_floor=1.5)

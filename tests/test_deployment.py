@@ -484,17 +484,17 @@ def test_k_sweep_profile_serves_fixed_k_variants_beside_the_adaptive_model():
         SpecServeArgs(speculative_variants={BASELINE: {}})
 
 
-def test_floor_sweep_profile_serves_a_floor_variant_and_fixed_ks_beside_the_default():
+def test_floor_sweep_profile_serves_the_default_beside_no_floor_and_fixed_ks():
     from pydantic import ValidationError
 
     from deployment.app import SpecServeArgs, llm_configs
 
     configs = {c.model_id: c.engine_kwargs for c in llm_configs(app_args("configs/floor-sweep.yaml"))}
-    assert list(configs) == [SPEC, BASELINE, "specserve-floor08", "specserve-k4", "specserve-k6"]
+    assert list(configs) == [SPEC, BASELINE, "specserve-nofloor", "specserve-k4", "specserve-k6"]
     options = {m: configs[m]["additional_config"]["specserve"] for m in configs if m != BASELINE}
     assert {m: o["request_speed_floor"] for m, o in options.items()} == {
-        SPEC: None, "specserve-floor08": 0.8, "specserve-k4": None, "specserve-k6": None}
+        SPEC: 0.8, "specserve-nofloor": None, "specserve-k4": 0.8, "specserve-k6": 0.8}
     assert {m: o["k_policy"] for m, o in options.items()} == {
-        SPEC: "adaptive", "specserve-floor08": "adaptive", "specserve-k4": "fixed", "specserve-k6": "fixed"}
+        SPEC: "adaptive", "specserve-nofloor": "adaptive", "specserve-k4": "fixed", "specserve-k6": "fixed"}
     with pytest.raises(ValidationError, match="request_speed_floor"):
         SpecServeArgs(speculative_variants={"x": {"request_speed_floor": 2}})

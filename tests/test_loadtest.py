@@ -209,3 +209,13 @@ def test_rounds_pool_requests_add_windows_and_pair_each_round_with_the_baselines
     by_round = speedups(s)["by_concurrency"][1]["throughput_ratio_by_round"]
     assert by_round == {0: pytest.approx(2.0), 1: pytest.approx(1.0)}
     assert summarize(FIXED)["speculative"][1]["output_tokens_per_s_by_round"] == {0: 50.0}  # samples without a round
+
+
+def test_the_title_names_the_k_policy_with_its_request_speed_floor():
+    from specserve.loadtest_runner import policy_label
+
+    assert policy_label({"k_policy": "adaptive", "k_max": 6, "request_speed_floor": 0.8}) == \
+        "adaptive (K_max 6, request speed floor 0.8)"
+    assert policy_label({"k_policy": "adaptive", "k_max": 6, "request_speed_floor": None}) == "adaptive (K_max 6)"
+    assert policy_label({"k_policy": "fixed", "k_max": 4, "request_speed_floor": 0.8}) == "fixed (K_max 4)"
+    assert policy_label({}) == "? (K_max ?)"

@@ -102,6 +102,44 @@ def test_with_a_speed_floor_the_choice_keeps_it_and_is_never_worse_than_no_draft
     assert goodput(acceptance, costs, k) <= brute_force(acceptance, costs, max_k) * (1 + 1e-9)
 
 
+def best_gain_order_candidate_keeping_the_floor(acceptance, costs, max_k, floor) -> float:
+    """The goodput of the best draft set the floored search may pick, each candidate built and tested
+    one at a time: for a longest draft M, the largest gains below position M (earlier position on ties),
+    the first p of them, kept when the worst-served request keeps the floor; no drafts always kept."""
+    n = len(acceptance)
+    gains = np.cumprod(acceptance[:, :max_k], axis=1)
+    entries = sorted(((-gains[r, j], j, r) for r in range(n) for j in range(max_k)))
+    best = goodput(acceptance, costs, np.zeros(n, int))
+    for longest in range(1, max_k + 1):
+        k = np.zeros(n, int)
+        for _, j, r in (e for e in entries if e[1] < longest):
+            k[r] += 1
+            if slowest_share(acceptance, costs, k) >= floor:
+                best = max(best, goodput(acceptance, costs, k))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_floored_search_finds_the_best_candidate_that_keeps_the_floor(seed):
+    """The floor is checked over intervals of the sorted gains (`_floor_kept`), not row by row at every
+    candidate: on random cases with ties and a target forward that bends upwards, the choice is the best
+    candidate built and tested one by one."""
+    rng = np.random.default_rng(100 + seed)
+    n, max_k = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+    acceptance = rng.uniform(0.0, 1.0, (n, max_k)) ** rng.uniform(0.1, 2.0)
+    if seed % 3 == 0:
+        acceptance = np.round(acceptance, 1)  # equal gains across rows and positions
+    bend = rng.uniform(0, 0.001)
+    costs = StepCosts(base=rng.uniform(0.005, 0.05), drafting=rng.uniform(0, 0.005),
+                      per_draft_token=rng.uniform(0, 0.002), per_draft_forward=rng.uniform(0, 0.003),
+                      verify_extra=lambda d: bend * np.asarray(d, dtype=float) ** 1.3)
+    floor = float(rng.uniform(0.2, 1.0))
+    k = choose_draft_lengths(acceptance, costs, max_k, speed_floor=floor)
+    assert slowest_share(acceptance, costs, k) >= floor - 1e-12
+    expected = best_gain_order_candidate_keeping_the_floor(acceptance, costs, max_k, floor)
+    assert goodput(acceptance, costs, k) == pytest.approx(expected, rel=1e-9)
+
+
 def test_a_speed_floor_outside_0_to_1_is_refused():
     for bad in (0, -0.5, 1.5, "1", True):
         with pytest.raises(ValueError, match="request_speed_floor"):
