@@ -375,6 +375,11 @@ class SpeculationPolicy:
         unknown = set(overrides or {}) - set(known)
         if unknown:
             raise ValueError(f"unknown step-cost fields {sorted(unknown)}; known: {list(known)}")
+        # Non-negative, as the fits are: a step's time must never fall as it takes more drafts (the floor's
+        # check, `_floor_kept`, searches the candidates' times as a sorted row).
+        negative = {name: value for name, value in (overrides or {}).items() if not value >= 0}
+        if negative:
+            raise ValueError(f"step costs are seconds, at least 0: {negative}")
         self.forced = dict(overrides or {})
 
     def force_k(self, k: int | None) -> None:

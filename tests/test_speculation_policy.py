@@ -187,6 +187,9 @@ def test_policy_switches_off_under_forced_high_cost_and_back():
     assert policy.choose(candidates, 4).max() > 0
     with pytest.raises(ValueError, match="unknown step-cost"):
         policy.force_costs({"verify": 1.0})
+    with pytest.raises(ValueError, match="at least 0"):
+        policy.force_costs({"per_draft_token": -0.001})
+    assert policy.forced == {}  # the refused pin left nothing pinned
 
 
 def test_a_policy_that_stopped_drafting_probes_again():
