@@ -59,6 +59,7 @@ def speculative_engine_kwargs(
     fault_injection_rate: float = 0.0,
     profile_steps: bool = False,
     compile_draft: str = "auto",
+    native_draft: str = "auto",
     per_request_metrics: str = "summary",
     k_policy: str = "adaptive",
     request_speed_floor: float | None = DEFAULT_SPEED_FLOOR,
@@ -83,6 +84,10 @@ def speculative_engine_kwargs(
     fault_injection_rate: share of steps whose drafting fails on purpose (tests only).
     compile_draft: "auto" (compiled one-token draft decode on CUDA, eager on CPU), "on" or "off"; a compile
         failure falls back to eager.
+    native_draft: "auto" (a Llama-style float32 draft on CPU runs its forward as one native call,
+        `plugin/native_draft.cpp`, built once with the machine's C++ compiler; eager where that does not
+        apply or the build fails), "on" (the same, but an engine whose draft cannot use it fails to start)
+        or "off" (eager PyTorch).
     profile_steps: time each phase of the engine step, the target's forward and verification beside the
         draft's phases (specserve_stats' profile_seconds; `specserve bench --profile`); off by default,
         since on a GPU it synchronises the device per phase.
@@ -91,6 +96,8 @@ def speculative_engine_kwargs(
         raise ValueError("num_speculative_tokens must be at least 1")
     if compile_draft not in ("auto", "on", "off"):
         raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
+    if native_draft not in ("auto", "on", "off"):
+        raise ValueError(f"native_draft must be 'auto', 'on' or 'off', not {native_draft!r}")
     if k_policy not in POLICIES:
         raise ValueError(f"k_policy must be one of {POLICIES}, not {k_policy!r}")
     check_speed_floor(request_speed_floor)
@@ -104,6 +111,7 @@ def speculative_engine_kwargs(
         "fault_injection_rate": fault_injection_rate,
         "profile_steps": profile_steps,
         "compile_draft": compile_draft,
+        "native_draft": native_draft,
         "k_policy": k_policy,
         "request_speed_floor": request_speed_floor,
     }

@@ -120,6 +120,35 @@ class DraftModel:
         shape = (self.num_layers, max_rows, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self._native = None  # the native forward's op and its weight list, once `use_native` succeeds
+
+    def native_unsupported(self) -> str | None:
+        """Why this decoder cannot run the native forward (`plugin.native_draft`), or None if it can."""
+        if self.gpt2:
+            return "GPT-2-family drafts run eagerly"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"the native forward is for float32 on CPU, not {self.dtype} on {self.device.type}"
+        return None
+
+    def use_native(self) -> float:
+        """Run `forward` as one native call from now on; the seconds its build or load took. Raises
+        ValueError where it does not apply, and whatever the build raises."""
+        from plugin import native_draft
+
+        reason = self.native_unsupported()
+        if reason:
+            raise ValueError(reason)
+        seconds = native_draft.load()
+        no_bias = torch.empty(0, device=self.device, dtype=self.dtype)
+        weights = [t if t is not None else no_bias for layer in self.layers
+                   for t in (layer["in_norm"], layer["post_norm"], layer["qkv"], layer["qkv_b"], layer["o"],
+                             layer["up"], layer["down"])]
+        self._native = (native_draft.forward_op(), weights)
+        return seconds
+
+    @property
+    def native(self) -> bool:
+        return self._native is not None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights, position tables, KV cache."""
@@ -193,6 +222,8 @@ class DraftModel:
         scratch entries beyond its valid prefix, which later forwards overwrite before anything reads
         them. Rows 0..B-1 read the cache as a view; named rows gather theirs (a copy)."""
         batch, width = tokens.shape
+        if self._native is not None:
+            return self._native_forward(tokens, start, last, rows)
         positions = (start.unsqueeze(1) + self._arange[:width]).clamp_max(self.max_len - 1)  # [B, T]
         key_len = int(positions.max()) + 1
         # One row decoding one token attends to every cached position up to its own: no mask needed.
@@ -216,6 +247,15 @@ class DraftModel:
         if last is None:
             return None
         return self._logits(x[self._arange[:batch], last])
+
+    def _native_forward(self, tokens, start, last, rows):
+        """forward's contract, as one native call (`plugin/native_draft.cpp`)."""
+        op, weights = self._native
+        logits = op(tokens, start, last if last is not None else start[:0],
+                    rows if rows is not None else self._arange[: tokens.shape[0]], weights, self.embed,
+                    self.final_norm, self.lm_head, self.cos, self.sin, self.k_cache, self.v_cache,
+                    self.num_heads, self.num_kv_heads, self.eps)
+        return logits if last is not None else None
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int):
         """One token per cache row 0..B-1: tokens [B, 1] at positions [B], attending to the row's cached

@@ -98,6 +98,9 @@ class DraftProposer:
         # where `specserve bench` measured no gain and inductor adds tens of seconds to start-up.
         self.compile = compile_draft == "on" or (compile_draft == "auto" and self.device.type == "cuda")
         self.decode: Optional[CompiledDecode] = None
+        self.native = options.get("native_draft", "auto")
+        if self.native not in ("auto", "on", "off"):
+            raise ValueError(f"native_draft must be 'auto', 'on' or 'off', not {self.native!r}")
         self._fault_rng = random.Random(0)
         self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows,
                                         options.get("request_speed_floor", DEFAULT_SPEED_FLOOR))
@@ -128,6 +131,8 @@ class DraftProposer:
         logger.info("specserve draft %s: %d layers, K=%d, KV cache %d rows x %d positions (%.1f MiB)",
                     self.draft_dir, self.model.num_layers, self.k, self.max_rows, self.max_len,
                     self.model.cache_bytes / 2**20)
+        if self.native != "off":
+            self._use_native()
         if self.compile:
             self.decode = CompiledDecode(self.model, self.max_rows)
             self.decode.warm_up()
@@ -135,6 +140,20 @@ class DraftProposer:
                         self.decode.compile_seconds, f"; falling back to eager: {self.decode.failed}"
                         if self.decode.failed else "")
         self.policy.calibrate_draft({rows: self._time_draft_forward(rows) for rows in (1, min(16, self.max_rows))})
+
+    def _use_native(self) -> None:
+        """The draft's forward as one native call, where it applies ("on": or the engine fails to start)."""
+        reason = self.model.native_unsupported()
+        if reason is None:
+            try:
+                seconds = self.model.use_native()
+                logger.info("specserve draft forward: native (built or loaded in %.1f s)", seconds)
+                return
+            except Exception as exc:  # noqa: BLE001 - a build can fail in many ways: eager is always there
+                reason = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if self.native == "on":
+            raise RuntimeError(f"native_draft='on', but the native draft forward is unavailable: {reason}")
+        logger.info("specserve draft forward: eager (%s)", reason)
 
     def _time_draft_forward(self, rows: int, repeats: int = 5) -> float:
         """Least seconds of one draft forward feeding one token to each of `rows` rows over `repeats`,

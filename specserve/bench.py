@@ -44,6 +44,7 @@ def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, dra
         "specserve-fixed": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="fixed"),
         "specserve-off": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="off"),
         "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
+        "specserve-eager": engine_kwargs(True, k, **pair, profile_steps=profile, native_draft="off"),
         "vllm-draft_model": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {
             "method": "draft_model", "model": str(draft), "num_speculative_tokens": k}},
         "vllm-ngram": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {

@@ -1,5 +1,7 @@
-"""The plain-PyTorch draft decoder against transformers' own forward (float32, logits within 1e-4), with
-a ragged batched catch-up, one-token steps from the KV cache, and rows that move."""
+"""The draft decoder against transformers' own forward (float32, logits within 1e-4), with a ragged
+batched catch-up, one-token steps from the KV cache, and rows that move: in plain PyTorch, and for
+Llama-style drafts as the native call (`plugin/native_draft.cpp`), which also matches the eager forward's
+logits and cache writes for named rows and catch-up chunks."""
 
 import pytest
 import torch
@@ -32,10 +34,14 @@ def save_random(tmp_path, kind):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
-def test_incremental_batched_logits_match_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind,native", [("llama", False), ("qwen2", False), ("gpt2", False),
+                                         ("llama", True), ("qwen2", True)])
+def test_incremental_batched_logits_match_transformers(tmp_path, kind, native):
     hf = save_random(tmp_path, kind)
     draft = DraftModel(tmp_path, max_rows=4, max_len=64)
+    if native:
+        draft.use_native()
+        assert draft.native
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 4, 12)]
     with torch.no_grad():
@@ -78,3 +84,45 @@ def test_tensors_lists_weights_tables_and_cache(tmp_path):
     ids = {id(t) for t in draft.tensors()}
     assert {id(draft.k_cache), id(draft.v_cache), id(draft.embed), id(draft.lm_head), id(draft.cos)} <= ids
     assert all(id(w) in ids for layer in draft.layers for w in layer.values() if w is not None)
+
+
+def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
+    """On the shipped draft, from the same cache: the native call writes the same keys and values as the
+    eager forward (1e-5) and returns the same logits (1e-4 relative), for one-token steps at several
+    batch sizes, a width-2 catch-up, and a rebuild chunk fed to named cache rows without logits."""
+    from deployment.defaults import DEMO_DRAFT
+
+    eager = DraftModel(DEMO_DRAFT, max_rows=8, max_len=128)
+    native = DraftModel(DEMO_DRAFT, max_rows=8, max_len=128)
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, eager.vocab_size, (8, 100), generator=gen)
+    for model in (eager, native):  # the same cache contents in both: an eager prefill
+        model.forward(prefix, torch.zeros(8, dtype=torch.long), None)
+    native.use_native()
+    cases = [(1, 1), (5, 1), (8, 1), (3, 2)]
+    for batch, width in cases:
+        tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
+        start = torch.randint(60, 100, (batch,), generator=gen)
+        last = torch.randint(0, width, (batch,), generator=gen)
+        torch.testing.assert_close(native.forward(tokens, start, last), eager.forward(tokens, start, last),
+                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(native.k_cache, eager.k_cache, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(native.v_cache, eager.v_cache, atol=1e-5, rtol=1e-5)
+    rows = torch.tensor([6, 2, 4])
+    tokens = torch.randint(0, eager.vocab_size, (3, 20), generator=gen)
+    start = torch.tensor([100, 90, 105])
+    assert native.forward(tokens, start, None, rows=rows) is None
+    eager.forward(tokens, start, None, rows=rows)
+    torch.testing.assert_close(native.k_cache, eager.k_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.v_cache, eager.v_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_native_forward_is_refused_where_it_does_not_apply(tmp_path):
+    save_random(tmp_path, "gpt2")
+    draft = DraftModel(tmp_path, max_rows=1, max_len=8)
+    assert "GPT-2" in draft.native_unsupported()
+    with pytest.raises(ValueError, match="GPT-2"):
+        draft.use_native()
+    assert not draft.native
+    save_random(tmp_path, "llama")
+    assert "float32" in DraftModel(tmp_path, max_rows=1, max_len=8, dtype=torch.bfloat16).native_unsupported()

@@ -20,11 +20,11 @@ from plugin.proposer import DraftProposer  # noqa: E402
 K, MAX_LEN, VOCAB, SLOTS = 3, 320, 4096, 8
 
 
-def make_proposer(k_policy: str = "fixed", compile_draft: str = "auto") -> DraftProposer:
+def make_proposer(k_policy: str = "fixed", compile_draft: str = "auto", native_draft: str = "auto") -> DraftProposer:
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=K),
         additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4, "k_policy": k_policy,
-                                                     "compile_draft": compile_draft}},
+                                         "compile_draft": compile_draft, "native_draft": native_draft}},
         model_config=SimpleNamespace(tokenizer=DEMO_DRAFT, model=DEMO_DRAFT, max_model_len=MAX_LEN,
                                      dtype=torch.float32, get_vocab_size=lambda: VOCAB),
         scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
@@ -59,14 +59,19 @@ def reference():
     return q_after
 
 
-@pytest.mark.parametrize("lengths,compiled", [
-    ("fixed", False), ("varying", False),
-    pytest.param("varying", True, marks=pytest.mark.slow, id="varying-compiled"),
+@pytest.mark.parametrize("lengths,forward", [
+    ("fixed", "native"), ("varying", "native"), ("varying", "eager"),
+    pytest.param("varying", "compiled", marks=pytest.mark.slow, id="varying-compiled"),
 ])
-def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference, lengths, compiled):
+def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference, lengths, forward):
+    """The reference is the eager decoder; the proposer's draft runs the native forward (one call in
+    C++), the eager one or the compiled one-token decode."""
     rng = np.random.default_rng(0)
-    proposer = make_proposer(compile_draft="on" if compiled else "off")
+    compiled = forward == "compiled"
+    proposer = make_proposer(compile_draft="on" if compiled else "off",
+                             native_draft="on" if forward == "native" else "off")
     assert (proposer.decode is not None) == compiled
+    assert proposer.model.native == (forward == "native")
     chosen = np.full(4, K)
     if lengths == "varying":  # the policy's choice, replaced by a random one per row and step
         proposer.policy.choose = lambda candidates, requests, pinned=None: np.where(candidates, chosen[: len(candidates)], 0)

@@ -1,0 +1,161 @@
+// The Llama-style draft's forward in one native call, for float32 on CPU: the same arithmetic as
+// plugin/draft_model.py's DraftModel.forward (its docstring holds the contract), with the matrix
+// products left to ATen and everything between them (norms, rotary positions, the cache writes,
+// attention over each row's cached prefix, SwiGLU) as plain loops. A small draft decoding a few tokens
+// is bound by per-operation overhead, not arithmetic: about 60 PyTorch calls a forward from Python cost
+// more than its products; here a forward makes nine.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPerLayer = 7;  // in_norm, post_norm, qkv, qkv bias (empty: none), o, up, down
+
+// out[n, :] = x[n, :] / rms(x[n, :]) * weight, for the n rows of x [n, d].
+void rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t d, double eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = x + i * d;
+    float sum = 0.f;
+    for (int64_t j = 0; j < d; ++j) sum += row[j] * row[j];
+    const float scale = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t j = 0; j < d; ++j) out[i * d + j] = row[j] * scale * weight[j];
+  }
+}
+
+// Rotate each head of v [head_dim] by the angles of one position: v * cos + rotate_half(v) * sin.
+void rotate(float* v, const float* cos, const float* sin, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = v[j], b = v[j + half];
+    v[j] = a * cos[j] - b * sin[j];
+    v[j + half] = b * cos[j + half] + a * sin[j + half];
+  }
+}
+
+}  // namespace
+
+// tokens [B, T] fed to cache rows rows [B] at positions start[b] + t (clamped to max_len - 1); returns
+// the logits [B, V] after position last[b] of each row, or an empty tensor when last is empty.
+at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last,
+                         const at::Tensor& rows, std::vector<at::Tensor> layers, const at::Tensor& embed,
+                         const at::Tensor& final_norm, const at::Tensor& lm_head, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads,
+                         int64_t num_kv_heads, double eps) {
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "specserve native draft: float32 weights and contiguous caches only");
+  at::InferenceMode guard;
+  // Index tensors of any integer type (vLLM's token ids are int32).
+  const auto tok = tokens.to(at::kLong).contiguous(), first = start.to(at::kLong).contiguous();
+  const auto row_of = rows.to(at::kLong).contiguous();
+  const int64_t batch = tok.size(0), width = tok.size(1), n = batch * width;
+  const int64_t d = embed.size(1), head_dim = cos.size(1), groups = num_heads / num_kv_heads;
+  const int64_t max_rows = k_cache.size(1), max_len = k_cache.size(3), q_dim = num_heads * head_dim;
+  const int64_t kv_dim = num_kv_heads * head_dim, qkv_dim = q_dim + 2 * kv_dim;
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t* tok_p = tok.data_ptr<int64_t>();
+  const int64_t* first_p = first.data_ptr<int64_t>();
+  const int64_t* row_p = row_of.data_ptr<int64_t>();
+  std::vector<int64_t> position(n);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(row_p[b] >= 0 && row_p[b] < max_rows, "specserve native draft: cache row out of range");
+    TORCH_CHECK(first_p[b] >= 0, "specserve native draft: negative position");
+    for (int64_t t = 0; t < width; ++t) position[b * width + t] = std::min(first_p[b] + t, max_len - 1);
+    longest = std::max(longest, position[b * width + width - 1]);
+  }
+
+  const auto options = embed.options();
+  at::Tensor x = embed.index_select(0, tok.view({-1}));  // [n, d] the residual stream
+  at::Tensor h = at::empty({n, d}, options);
+  at::Tensor attn = at::empty({n, q_dim}, options);
+  float* x_p = x.data_ptr<float>();
+  const auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  const float* cos_p = cos_c.data_ptr<float>();
+  const float* sin_p = sin_c.data_ptr<float>();
+  const int64_t layer_stride = k_cache.stride(0), row_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
+
+  for (int64_t layer = 0; layer < static_cast<int64_t>(layers.size()) / kPerLayer; ++layer) {
+    const at::Tensor* w = layers.data() + layer * kPerLayer;
+    rms_norm(x_p, w[0].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
+    at::Tensor qkv = w[3].numel() ? at::addmm(w[3], h, w[2].t()) : at::mm(h, w[2].t());  // [n, qkv_dim]
+    float* qkv_p = qkv.data_ptr<float>();
+    float* keys = k_cache.data_ptr<float>() + layer * layer_stride;
+    float* values = v_cache.data_ptr<float>() + layer * layer_stride;
+    // Rotate q and k, and write every fed token's keys and values before any query reads the cache.
+    for (int64_t i = 0; i < n; ++i) {
+      float* token = qkv_p + i * qkv_dim;
+      const int64_t pos = position[i], cache_row = row_p[i / width];
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head)
+        rotate(token + head * head_dim, cos_p + pos * head_dim, sin_p + pos * head_dim, head_dim);
+      for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+        const int64_t offset = cache_row * row_stride + kv * head_stride + pos * head_dim;
+        std::copy_n(token + q_dim + kv * head_dim, head_dim, keys + offset);
+        std::copy_n(token + q_dim + kv_dim + kv * head_dim, head_dim, values + offset);
+      }
+    }
+    // Each query attends to its row's cached positions 0..its own; threads only for chunks worth one.
+    float* attn_p = attn.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / ((longest + 1) * head_dim));
+    at::parallel_for(0, n * num_heads, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> score;
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t i = job / num_heads, head = job % num_heads, pos = position[i];
+        const float* q = qkv_p + i * qkv_dim + head * head_dim;
+        const int64_t base = row_p[i / width] * row_stride + (head / groups) * head_stride;
+        score.resize(pos + 1);
+        float top = -INFINITY;
+        for (int64_t p = 0; p <= pos; ++p) {
+          const float* key = keys + base + p * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t j = 0; j < head_dim; ++j) dot += q[j] * key[j];
+          score[p] = dot * scale;
+          top = std::max(top, score[p]);
+        }
+        float total = 0.f;
+        for (int64_t p = 0; p <= pos; ++p) total += (score[p] = std::exp(score[p] - top));
+        float* out = attn_p + i * q_dim + head * head_dim;
+        std::fill_n(out, head_dim, 0.f);
+        for (int64_t p = 0; p <= pos; ++p) {
+          const float weight = score[p] / total;
+          const float* value = values + base + p * head_dim;
+#pragma omp simd
+          for (int64_t j = 0; j < head_dim; ++j) out[j] += weight * value[j];
+        }
+      }
+    });
+    x.addmm_(attn, w[4].t());
+    rms_norm(x_p, w[1].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
+    at::Tensor up = at::mm(h, w[5].t());  // [n, 2 * intermediate]: gate, then up
+    const int64_t inner = up.size(1) / 2;
+    at::Tensor act = at::empty({n, inner}, options);
+    const float* up_p = up.data_ptr<float>();
+    float* act_p = act.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < inner; ++j) {
+        const float gate = up_p[i * 2 * inner + j];
+        act_p[i * inner + j] = gate / (1.f + std::exp(-gate)) * up_p[i * 2 * inner + inner + j];
+      }
+    x.addmm_(act, w[6].t());
+  }
+  if (last.numel() == 0) return at::empty({0}, options);
+  const auto last_c = last.to(at::kLong).contiguous();
+  const int64_t* last_p = last_c.data_ptr<int64_t>();
+  at::Tensor final_h = at::empty({batch, d}, options);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(last_p[b] >= 0 && last_p[b] < width, "specserve native draft: last out of range");
+    rms_norm(x_p + (b * width + last_p[b]) * d, final_norm.data_ptr<float>(),
+             final_h.data_ptr<float>() + b * d, 1, d, eps);
+  }
+  return at::mm(final_h, lm_head.t());
+}
+
+TORCH_LIBRARY(specserve_native, m) {
+  m.def("draft_forward", &draft_forward);
+}
