@@ -143,7 +143,8 @@ class DraftModel:
         weights = [t if t is not None else no_bias for layer in self.layers
                    for t in (layer["in_norm"], layer["post_norm"], layer["qkv"], layer["qkv_b"], layer["o"],
                              layer["up"], layer["down"])]
-        self._native = (native_draft.forward_op(), weights)
+        # The native code reads the norms' weights as dense blocks (no-ops for a loaded checkpoint).
+        self._native = (native_draft.forward_op(), [w.contiguous() for w in weights], self.final_norm.contiguous())
         return seconds
 
     @property
@@ -250,10 +251,10 @@ class DraftModel:
 
     def _native_forward(self, tokens, start, last, rows):
         """forward's contract, as one native call (`plugin/native_draft.cpp`)."""
-        op, weights = self._native
+        op, weights, final_norm = self._native
         logits = op(tokens, start, last if last is not None else start[:0],
                     rows if rows is not None else self._arange[: tokens.shape[0]], weights, self.embed,
-                    self.final_norm, self.lm_head, self.cos, self.sin, self.k_cache, self.v_cache,
+                    final_norm, self.lm_head, self.cos, self.sin, self.k_cache, self.v_cache,
                     self.num_heads, self.num_kv_heads, self.eps)
         return logits if last is not None else None
 

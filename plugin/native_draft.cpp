@@ -16,6 +16,7 @@
 namespace {
 
 constexpr int64_t kPerLayer = 7;  // in_norm, post_norm, qkv, qkv bias (empty: none), o, up, down
+constexpr int64_t kLoopWidth = 4;  // feeds of up to this many tokens per row attend query by query
 
 // out[n, :] = x[n, :] / rms(x[n, :]) * weight, for the n rows of x [n, d].
 void rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t d, double eps) {
@@ -38,6 +39,45 @@ void rotate(float* v, const float* cos, const float* sin, int64_t head_dim) {
   }
 }
 
+// The attention of each of n queries (head by head) over its row's cached positions 0..its own: a dot
+// product per position, for feeds of a token or two per row, where blocked products cost more in setup.
+void attend_one_by_one(const float* qkv, const float* keys, const float* values, float* attn,
+                       const std::vector<int64_t>& position, const int64_t* row_of, int64_t width, int64_t n,
+                       int64_t num_heads, int64_t head_dim, int64_t groups, int64_t qkv_dim, int64_t row_stride,
+                       int64_t head_stride, int64_t longest) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t q_dim = num_heads * head_dim;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / ((longest + 1) * head_dim));  // threads only for chunks worth one
+  at::parallel_for(0, n * num_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> score;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / num_heads, head = job % num_heads, pos = position[i];
+      const float* q = qkv + i * qkv_dim + head * head_dim;
+      const int64_t base = row_of[i / width] * row_stride + (head / groups) * head_stride;
+      score.resize(pos + 1);
+      float top = -INFINITY;
+      for (int64_t p = 0; p <= pos; ++p) {
+        const float* key = keys + base + p * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < head_dim; ++j) dot += q[j] * key[j];
+        score[p] = dot * scale;
+        top = std::max(top, score[p]);
+      }
+      float total = 0.f;
+      for (int64_t p = 0; p <= pos; ++p) total += (score[p] = std::exp(score[p] - top));
+      float* out = attn + i * q_dim + head * head_dim;
+      std::fill_n(out, head_dim, 0.f);
+      for (int64_t p = 0; p <= pos; ++p) {
+        const float weight = score[p] / total;
+        const float* value = values + base + p * head_dim;
+#pragma omp simd
+        for (int64_t j = 0; j < head_dim; ++j) out[j] += weight * value[j];
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // tokens [B, T] fed to cache rows rows [B] at positions start[b] + t (clamped to max_len - 1); returns
@@ -57,7 +97,6 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
   const int64_t d = embed.size(1), head_dim = cos.size(1), groups = num_heads / num_kv_heads;
   const int64_t max_rows = k_cache.size(1), max_len = k_cache.size(3), q_dim = num_heads * head_dim;
   const int64_t kv_dim = num_kv_heads * head_dim, qkv_dim = q_dim + 2 * kv_dim;
-  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
   const int64_t* tok_p = tok.data_ptr<int64_t>();
   const int64_t* first_p = first.data_ptr<int64_t>();
   const int64_t* row_p = row_of.data_ptr<int64_t>();
@@ -70,6 +109,13 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
     longest = std::max(longest, position[b * width + width - 1]);
   }
 
+  // Which cached positions each fed token sees, [B, 1, T, key_len] (wide feeds only).
+  at::Tensor visible;
+  if (width > kLoopWidth) {
+    at::Tensor pos = at::empty({batch, width, 1}, tok.options());
+    std::copy(position.begin(), position.end(), pos.data_ptr<int64_t>());
+    visible = (at::arange(longest + 1, tok.options()).view({1, 1, -1}) <= pos).unsqueeze(1);
+  }
   const auto options = embed.options();
   at::Tensor x = embed.index_select(0, tok.view({-1}));  // [n, d] the residual stream
   at::Tensor h = at::empty({n, d}, options);
@@ -99,37 +145,22 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
         std::copy_n(token + q_dim + kv_dim + kv * head_dim, head_dim, values + offset);
       }
     }
-    // Each query attends to its row's cached positions 0..its own; threads only for chunks worth one.
-    float* attn_p = attn.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, (1 << 16) / ((longest + 1) * head_dim));
-    at::parallel_for(0, n * num_heads, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> score;
-      for (int64_t job = begin; job < end; ++job) {
-        const int64_t i = job / num_heads, head = job % num_heads, pos = position[i];
-        const float* q = qkv_p + i * qkv_dim + head * head_dim;
-        const int64_t base = row_p[i / width] * row_stride + (head / groups) * head_stride;
-        score.resize(pos + 1);
-        float top = -INFINITY;
-        for (int64_t p = 0; p <= pos; ++p) {
-          const float* key = keys + base + p * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < head_dim; ++j) dot += q[j] * key[j];
-          score[p] = dot * scale;
-          top = std::max(top, score[p]);
-        }
-        float total = 0.f;
-        for (int64_t p = 0; p <= pos; ++p) total += (score[p] = std::exp(score[p] - top));
-        float* out = attn_p + i * q_dim + head * head_dim;
-        std::fill_n(out, head_dim, 0.f);
-        for (int64_t p = 0; p <= pos; ++p) {
-          const float weight = score[p] / total;
-          const float* value = values + base + p * head_dim;
-#pragma omp simd
-          for (int64_t j = 0; j < head_dim; ++j) out[j] += weight * value[j];
-        }
+    // Each query attends to its row's cached positions 0..its own.
+    if (width <= kLoopWidth) {
+      attend_one_by_one(qkv_p, keys, values, attn.data_ptr<float>(), position, row_p, width, n, num_heads,
+                        head_dim, groups, qkv_dim, row_stride, head_stride, longest);
+    } else {  // a rebuilt prefix: blocked products beat a dot product per query and position
+      const int64_t key_len = longest + 1;
+      at::Tensor q = qkv.narrow(1, 0, q_dim).view({batch, width, num_heads, head_dim}).transpose(1, 2);
+      at::Tensor cached_k = k_cache.select(0, layer).narrow(2, 0, key_len).index_select(0, row_of);
+      at::Tensor cached_v = v_cache.select(0, layer).narrow(2, 0, key_len).index_select(0, row_of);
+      if (groups > 1) {
+        cached_k = cached_k.repeat_interleave(groups, 1);
+        cached_v = cached_v.repeat_interleave(groups, 1);
       }
-    });
+      at::Tensor out = at::scaled_dot_product_attention(q, cached_k, cached_v, visible);  // [B, H, T, hd]
+      attn.copy_(out.transpose(1, 2).reshape({n, q_dim}));
+    }
     x.addmm_(attn, w[4].t());
     rms_norm(x_p, w[1].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
     at::Tensor up = at::mm(h, w[5].t());  // [n, 2 * intermediate]: gate, then up

@@ -131,3 +131,28 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     assert proposer.stats["failures"] == 0
     if compiled:  # every one-token forward, catch-up included, went through the compiled step
         assert proposer.decode.failed is None, proposer.decode.failed
+
+
+def test_native_forward_falls_back_to_eager_unless_required(monkeypatch):
+    """auto: a draft the native forward does not serve, or a failed build, runs eagerly; on: the engine
+    refuses to start instead; off: eager even where native applies."""
+    from plugin import native_draft
+
+    assert make_proposer(native_draft="auto").model.native
+    assert not make_proposer(native_draft="off").model.native
+
+    monkeypatch.setattr(DraftModel, "native_unsupported", lambda self: "GPT-2-family drafts run eagerly")
+    assert not make_proposer(native_draft="auto").model.native
+    with pytest.raises(RuntimeError, match="GPT-2-family"):
+        make_proposer(native_draft="on")
+
+    monkeypatch.undo()
+
+    def no_compiler():
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(native_draft, "load", no_compiler)
+    proposer = make_proposer(native_draft="auto")
+    assert not proposer.model.native
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        make_proposer(native_draft="on")
