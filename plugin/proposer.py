@@ -143,17 +143,18 @@ class DraftProposer:
 
     def _use_native(self) -> None:
         """The draft's forward as one native call, where it applies ("on": or the engine fails to start)."""
-        reason = self.model.native_unsupported()
+        reason, failed = self.model.native_unsupported(), False
         if reason is None:
             try:
                 seconds = self.model.use_native()
                 logger.info("specserve draft forward: native (built or loaded in %.1f s)", seconds)
                 return
             except Exception as exc:  # noqa: BLE001 - a build can fail in many ways: eager is always there
-                reason = f"{type(exc).__name__}: {str(exc)[:500]}"
+                reason, failed = f"{type(exc).__name__}: {str(exc)[:500]}", True
         if self.native == "on":
             raise RuntimeError(f"native_draft='on', but the native draft forward is unavailable: {reason}")
-        logger.info("specserve draft forward: eager (%s)", reason)
+        # A failed build costs this engine's draft about half its speed: say so where operators look.
+        (logger.warning if failed else logger.info)("specserve draft forward: eager (%s)", reason)
 
     def _time_draft_forward(self, rows: int, repeats: int = 5) -> float:
         """Least seconds of one draft forward feeding one token to each of `rows` rows over `repeats`,
