@@ -8,6 +8,12 @@ from plugin.speculation_policy import DEFAULT_SPEED_FLOOR, POLICIES, check_speed
 PROPOSER_CLASS = "plugin.proposer.DraftProposer"
 WORKER_CLASS = "plugin.worker.SpeculativeWorker"
 CONFIG_KEY = "specserve"
+SWITCH = ("auto", "on", "off")  # the values of compile_draft and native_draft
+
+
+def check_switch(name: str, value: str) -> None:
+    if value not in SWITCH:
+        raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {value!r}")
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -94,10 +100,8 @@ def speculative_engine_kwargs(
     """
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be at least 1")
-    if compile_draft not in ("auto", "on", "off"):
-        raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
-    if native_draft not in ("auto", "on", "off"):
-        raise ValueError(f"native_draft must be 'auto', 'on' or 'off', not {native_draft!r}")
+    check_switch("compile_draft", compile_draft)
+    check_switch("native_draft", native_draft)
     if k_policy not in POLICIES:
         raise ValueError(f"k_policy must be one of {POLICIES}, not {k_policy!r}")
     check_speed_floor(request_speed_floor)

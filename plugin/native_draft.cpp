@@ -97,7 +97,6 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
   const int64_t d = embed.size(1), head_dim = cos.size(1), groups = num_heads / num_kv_heads;
   const int64_t max_rows = k_cache.size(1), max_len = k_cache.size(3), q_dim = num_heads * head_dim;
   const int64_t kv_dim = num_kv_heads * head_dim, qkv_dim = q_dim + 2 * kv_dim;
-  const int64_t* tok_p = tok.data_ptr<int64_t>();
   const int64_t* first_p = first.data_ptr<int64_t>();
   const int64_t* row_p = row_of.data_ptr<int64_t>();
   std::vector<int64_t> position(n);

@@ -7,14 +7,12 @@ took 0.46 ms from Python and 0.13 from the native call at batch 1, 1.9 against 0
 one thread). The engines running several at once build it once: the builder locks its directory.
 """
 
-import logging
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("specserve.native_draft")
 SOURCE = Path(__file__).with_name("native_draft.cpp")
 _NAME = "specserve_native_draft"
 _loaded: bool = False
@@ -48,7 +46,6 @@ def forward_op():
 
 
 if __name__ == "__main__":  # `python -m plugin.native_draft`: build it ahead (scripts/setup.sh)
-    logging.basicConfig(level=logging.INFO)
     try:
         print(f"specserve: native draft forward ready ({load():.1f} s)")
     except Exception as exc:  # noqa: BLE001 - a missing compiler is not an install failure: eager remains

@@ -34,7 +34,7 @@ import torch
 
 from plugin import _vllm_internals as internals
 from plugin.compiled_decode import CompiledDecode
-from plugin.config import CONFIG_KEY, check_shared_vocabulary, resolve_model_dir
+from plugin.config import CONFIG_KEY, check_shared_vocabulary, check_switch, resolve_model_dir
 from plugin.draft_model import DraftModel
 from plugin.sampling import processed_probs, sample_from
 from plugin.speculation_policy import DEFAULT_SPEED_FLOOR, SpeculationPolicy
@@ -92,15 +92,13 @@ class DraftProposer:
             model_config.dtype if dtype == "auto" else getattr(torch, dtype))
         self.fault_rate = float(options.get("fault_injection_rate") or 0.0)
         compile_draft = options.get("compile_draft", "auto")
-        if compile_draft not in ("auto", "on", "off"):
-            raise ValueError(f"compile_draft must be 'auto', 'on' or 'off', not {compile_draft!r}")
+        check_switch("compile_draft", compile_draft)
         # auto: compiled on CUDA (CUDA graphs remove the launch-bound draft's overhead); eager on CPU,
         # where `specserve bench` measured no gain and inductor adds tens of seconds to start-up.
         self.compile = compile_draft == "on" or (compile_draft == "auto" and self.device.type == "cuda")
         self.decode: Optional[CompiledDecode] = None
         self.native = options.get("native_draft", "auto")
-        if self.native not in ("auto", "on", "off"):
-            raise ValueError(f"native_draft must be 'auto', 'on' or 'off', not {self.native!r}")
+        check_switch("native_draft", self.native)
         self._fault_rng = random.Random(0)
         self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows,
                                         options.get("request_speed_floor", DEFAULT_SPEED_FLOOR))

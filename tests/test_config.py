@@ -39,3 +39,11 @@ def test_a_request_speed_floor_reaches_the_speculator_and_a_bad_one_is_refused()
     assert floor(request_speed_floor=None) is None  # the step's goodput alone
     with pytest.raises(ValueError, match="request_speed_floor"):
         speculative_engine_kwargs("models/draft", 4, request_speed_floor=1.5)
+
+
+@pytest.mark.parametrize("switch", ["compile_draft", "native_draft"])
+def test_the_draft_switches_reach_the_speculator_and_a_bad_value_is_refused(switch):
+    options = speculative_engine_kwargs("models/draft", 4, **{switch: "off"})["additional_config"]["specserve"]
+    assert options[switch] == "off"
+    with pytest.raises(ValueError, match=f"{switch} must be 'auto', 'on' or 'off', not 'yes'"):
+        speculative_engine_kwargs("models/draft", 4, **{switch: "yes"})
