@@ -120,7 +120,7 @@ class DraftModel:
         shape = (self.num_layers, max_rows, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        self._native = None  # (the native op, its per-layer weights, the final norm) once `use_native` succeeds
+        self._native = None  # (the native op, its per-layer weights, the final norm, bfloat16 copies) once `use_native` succeeds
 
     def native_unsupported(self) -> str | None:
         """Why this decoder cannot run the native forward (`plugin.native_draft`), or None if it can."""
@@ -143,13 +143,21 @@ class DraftModel:
         weights = [t if t is not None else no_bias for layer in self.layers
                    for t in (layer["in_norm"], layer["post_norm"], layer["qkv"], layer["qkv_b"], layer["o"],
                              layer["up"], layer["down"])]
+        products = [layer[name] for layer in self.layers for name in ("qkv", "o", "up", "down")] + [self.lm_head]
         # The native code reads the norms' weights as dense blocks (no-ops for a loaded checkpoint).
-        self._native = (native_draft.forward_op(), [w.contiguous() for w in weights], self.final_norm.contiguous())
+        self._native = (native_draft.forward_op(), [w.contiguous() for w in weights], self.final_norm.contiguous(),
+                        native_draft.narrow_products(products))
         return seconds
 
     @property
     def native(self) -> bool:
         return self._native is not None
+
+    @property
+    def native_narrow(self) -> bool:
+        """Whether the native forward's narrow feeds multiply by bfloat16 copies of the weights (only where
+        the weights are exactly bfloat16 values: `plugin.native_draft.narrow_products`)."""
+        return self._native is not None and bool(self._native[3])
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights, position tables, KV cache."""
@@ -251,11 +259,11 @@ class DraftModel:
 
     def _native_forward(self, tokens, start, last, rows):
         """forward's contract, as one native call (`plugin/native_draft.cpp`)."""
-        op, weights, final_norm = self._native
+        op, weights, final_norm, narrow = self._native
         logits = op(tokens, start, last if last is not None else start[:0],
                     rows if rows is not None else self._arange[: tokens.shape[0]], weights, self.embed,
                     final_norm, self.lm_head, self.cos, self.sin, self.k_cache, self.v_cache,
-                    self.num_heads, self.num_kv_heads, self.eps)
+                    self.num_heads, self.num_kv_heads, self.eps, narrow)
         return logits if last is not None else None
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int):

@@ -4,6 +4,12 @@
 // attention over each row's cached prefix, SwiGLU) as plain loops. A small draft decoding a few tokens
 // is bound by per-operation overhead, not arithmetic: about 60 PyTorch calls a forward from Python cost
 // more than its products; here a forward makes nine.
+//
+// A narrow feed (a few rows of one token: decoding at a small batch) is bound by reading the weights,
+// and an engine step reads them cold (the target's forward before it streams its own, several times
+// the cache). For those the products read a bfloat16 copy of the weights, half the bytes, and compute
+// in float32: given only where the weights are exactly bfloat16 values (a bfloat16 checkpoint), so
+// that the arithmetic is the same as float32's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,12 +17,47 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kPerLayer = 7;  // in_norm, post_norm, qkv, qkv bias (empty: none), o, up, down
 constexpr int64_t kLoopWidth = 4;  // feeds of up to this many tokens per row attend query by query
+constexpr int64_t kNarrowRows = 4;  // feeds of up to this many tokens in all take the bfloat16 products
+constexpr int64_t kBlock = 64;  // outputs per accumulator block: the bfloat16 copies pad their columns to it
+
+inline float from_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// out[r, :m] = (accumulate ? out[r, :m] : bias or 0) + x[r, :k] . w for r < n, with w the product's
+// weights transposed, [k, m rounded up to kBlock], as bfloat16 bits. Each block of weights is read once
+// and stays in L1 for the n rows (n is small: kNarrowRows).
+void linear_bf16(const float* x, const at::Tensor& transposed, const float* bias, float* out, int64_t n,
+                 int64_t k, int64_t m, bool accumulate) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(transposed.data_ptr<at::BFloat16>());
+  const int64_t padded = transposed.size(1);
+  for (int64_t block = 0; block < m; block += kBlock) {
+    const int64_t count = std::min(kBlock, m - block);
+    for (int64_t r = 0; r < n; ++r) {
+      float acc[kBlock] = {0.f};
+      const float* row = x + r * k;
+      for (int64_t i = 0; i < k; ++i) {
+        const float xi = row[i];
+        const uint16_t* wi = w + i * padded + block;
+#pragma omp simd
+        for (int64_t j = 0; j < kBlock; ++j) acc[j] += xi * from_bf16(wi[j]);
+      }
+      float* o = out + r * m + block;
+      for (int64_t j = 0; j < count; ++j)
+        o[j] = (accumulate ? o[j] : (bias ? bias[block + j] : 0.f)) + acc[j];
+    }
+  }
+}
 
 // out[n, :] = x[n, :] / rms(x[n, :]) * weight, for the n rows of x [n, d].
 void rms_norm(const float* x, const float* weight, float* out, int64_t n, int64_t d, double eps) {
@@ -81,12 +122,14 @@ void attend_one_by_one(const float* qkv, const float* keys, const float* values,
 }  // namespace
 
 // tokens [B, T] fed to cache rows rows [B] at positions start[b] + t (clamped to max_len - 1); returns
-// the logits [B, V] after position last[b] of each row, or an empty tensor when last is empty.
+// the logits [B, V] after position last[b] of each row, or an empty tensor when last is empty. narrow:
+// empty, or the bfloat16 copies of the products' weights, transposed (qkv, o, up, down per layer, then
+// the LM head), for feeds of at most kNarrowRows tokens.
 at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, const at::Tensor& last,
                          const at::Tensor& rows, std::vector<at::Tensor> layers, const at::Tensor& embed,
                          const at::Tensor& final_norm, const at::Tensor& lm_head, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads,
-                         int64_t num_kv_heads, double eps) {
+                         int64_t num_kv_heads, double eps, std::vector<at::Tensor> narrow) {
   TORCH_CHECK(embed.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "specserve native draft: float32 weights and contiguous caches only");
   at::InferenceMode guard;
@@ -125,10 +168,22 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
   const float* sin_p = sin_c.data_ptr<float>();
   const int64_t layer_stride = k_cache.stride(0), row_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
 
-  for (int64_t layer = 0; layer < static_cast<int64_t>(layers.size()) / kPerLayer; ++layer) {
+  const int64_t num_layers = static_cast<int64_t>(layers.size()) / kPerLayer;
+  TORCH_CHECK(narrow.empty() || static_cast<int64_t>(narrow.size()) == 4 * num_layers + 1,
+              "specserve native draft: 4 bfloat16 products a layer and the LM head, or none");
+  const bool use_narrow = !narrow.empty() && n <= kNarrowRows;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layers.data() + layer * kPerLayer;
     rms_norm(x_p, w[0].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
-    at::Tensor qkv = w[3].numel() ? at::addmm(w[3], h, w[2].t()) : at::mm(h, w[2].t());  // [n, qkv_dim]
+    const at::Tensor* w16 = use_narrow ? narrow.data() + layer * 4 : nullptr;  // qkv, o, up, down
+    at::Tensor qkv;  // [n, qkv_dim]
+    if (w16) {
+      qkv = at::empty({n, qkv_dim}, options);
+      linear_bf16(h.data_ptr<float>(), w16[0], w[3].numel() ? w[3].data_ptr<float>() : nullptr,
+                  qkv.data_ptr<float>(), n, d, qkv_dim, false);
+    } else {
+      qkv = w[3].numel() ? at::addmm(w[3], h, w[2].t()) : at::mm(h, w[2].t());
+    }
     float* qkv_p = qkv.data_ptr<float>();
     float* keys = k_cache.data_ptr<float>() + layer * layer_stride;
     float* values = v_cache.data_ptr<float>() + layer * layer_stride;
@@ -160,10 +215,17 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
       at::Tensor out = at::scaled_dot_product_attention(q, cached_k, cached_v, visible);  // [B, H, T, hd]
       attn.copy_(out.transpose(1, 2).reshape({n, q_dim}));
     }
-    x.addmm_(attn, w[4].t());
+    if (w16) linear_bf16(attn.data_ptr<float>(), w16[1], nullptr, x_p, n, q_dim, d, true);
+    else x.addmm_(attn, w[4].t());
     rms_norm(x_p, w[1].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
-    at::Tensor up = at::mm(h, w[5].t());  // [n, 2 * intermediate]: gate, then up
-    const int64_t inner = up.size(1) / 2;
+    const int64_t inner = w[6].size(1);
+    at::Tensor up;  // [n, 2 * intermediate]: gate, then up
+    if (w16) {
+      up = at::empty({n, 2 * inner}, options);
+      linear_bf16(h.data_ptr<float>(), w16[2], nullptr, up.data_ptr<float>(), n, d, 2 * inner, false);
+    } else {
+      up = at::mm(h, w[5].t());
+    }
     at::Tensor act = at::empty({n, inner}, options);
     const float* up_p = up.data_ptr<float>();
     float* act_p = act.data_ptr<float>();
@@ -172,7 +234,8 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
         const float gate = up_p[i * 2 * inner + j];
         act_p[i * inner + j] = gate / (1.f + std::exp(-gate)) * up_p[i * 2 * inner + inner + j];
       }
-    x.addmm_(act, w[6].t());
+    if (w16) linear_bf16(act_p, w16[3], nullptr, x_p, n, inner, d, true);
+    else x.addmm_(act, w[6].t());
   }
   if (last.numel() == 0) return at::empty({0}, options);
   const auto last_c = last.to(at::kLong).contiguous();
@@ -183,7 +246,11 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
     rms_norm(x_p + (b * width + last_p[b]) * d, final_norm.data_ptr<float>(),
              final_h.data_ptr<float>() + b * d, 1, d, eps);
   }
-  return at::mm(final_h, lm_head.t());
+  if (narrow.empty() || batch > kNarrowRows) return at::mm(final_h, lm_head.t());
+  at::Tensor logits = at::empty({batch, lm_head.size(0)}, options);
+  linear_bf16(final_h.data_ptr<float>(), narrow.back(), nullptr, logits.data_ptr<float>(), batch, d,
+              lm_head.size(0), false);
+  return logits;
 }
 
 TORCH_LIBRARY(specserve_native, m) {

@@ -94,7 +94,9 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     tokens = n + np.cumsum(taken_gain, axis=1)
     time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
     rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
-    if speed_floor is not None:
+    # One request: its speed is the step's goodput, whose best is at least its rate without drafts, so
+    # the floor cannot bind (and its check is most of the search's time at batch 1).
+    if speed_floor is not None and n > 1:
         rank = np.empty(n * max_k, dtype=np.int64)
         rank[order] = np.arange(n * max_k)
         rate = np.where(_floor_kept(gains, rank.reshape(n, max_k), time, costs.base / speed_floor), rate, -np.inf)

@@ -9,7 +9,7 @@ import torch
 from plugin.draft_model import DraftModel
 
 
-def save_random(tmp_path, kind):
+def save_random(tmp_path, kind, bf16_values=False):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -29,19 +29,27 @@ def save_random(tmp_path, kind):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if bf16_values:  # float32 weights that are exactly bfloat16 values, as a bfloat16 checkpoint loads
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.bfloat16().float())
     model.eval()
     model.save_pretrained(tmp_path)
     return model
 
 
 @pytest.mark.parametrize("kind,native", [("llama", False), ("qwen2", False), ("gpt2", False),
-                                         ("llama", True), ("qwen2", True)])
+                                         ("llama", True), ("qwen2", True), ("qwen2", "bf16 values")])
 def test_incremental_batched_logits_match_transformers(tmp_path, kind, native):
-    hf = save_random(tmp_path, kind)
+    """native "bf16 values": weights that are exactly bfloat16 values, so that the native forward's
+    narrow feeds (the one-token steps of 3 rows) multiply by its bfloat16 copies; float32 weights that
+    are not get none (the copy would change the arithmetic)."""
+    hf = save_random(tmp_path, kind, bf16_values=native == "bf16 values")
     draft = DraftModel(tmp_path, max_rows=4, max_len=64)
     if native:
         draft.use_native()
         assert draft.native
+        assert draft.native_narrow == (native == "bf16 values")
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 4, 12)]
     with torch.no_grad():
@@ -89,7 +97,8 @@ def test_tensors_lists_weights_tables_and_cache(tmp_path):
 def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
     """On the shipped draft, from the same cache: the native call writes the same keys and values as the
     eager forward (1e-5) and returns the same logits (1e-4 relative), for one-token steps at several
-    batch sizes, a width-2 catch-up, and a rebuild chunk fed to named cache rows without logits."""
+    batch sizes, width-2 catch-ups, and a rebuild chunk fed to named cache rows without logits; feeds of
+    up to 4 tokens through the bfloat16 copies of its weights, wider ones through float32 products."""
     from deployment.defaults import DEMO_DRAFT
 
     eager = DraftModel(DEMO_DRAFT, max_rows=8, max_len=128)
@@ -99,7 +108,8 @@ def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
     for model in (eager, native):  # the same cache contents in both: an eager prefill
         model.forward(prefix, torch.zeros(8, dtype=torch.long), None)
     native.use_native()
-    cases = [(1, 1), (5, 1), (8, 1), (3, 2)]
+    assert native.native_narrow  # a bfloat16 checkpoint: feeds of up to 4 tokens take the bfloat16 copies
+    cases = [(1, 1), (4, 1), (2, 2), (5, 1), (8, 1), (3, 2)]
     for batch, width in cases:
         tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
         start = torch.randint(60, 100, (batch,), generator=gen)
