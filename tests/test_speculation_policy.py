@@ -102,6 +102,22 @@ def test_with_a_speed_floor_the_choice_keeps_it_and_is_never_worse_than_no_draft
     assert goodput(acceptance, costs, k) <= brute_force(acceptance, costs, max_k) * (1 + 1e-9)
 
 
+def test_for_one_request_the_floor_cannot_bind_and_is_not_checked():
+    """One request's speed is the step's goodput, and the best choice is at least as fast as no drafts,
+    so the floor holds without its check (which the search skips at batch 1): on 200 random cases the
+    choice with any floor is the one without, and keeps the floor."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        max_k = int(rng.integers(1, 7))
+        acceptance = rng.uniform(0.0, 1.0, (1, max_k)) ** rng.uniform(0.2, 2.0)
+        costs = StepCosts(base=rng.uniform(0.001, 0.02), drafting=rng.uniform(0, 0.005),
+                          per_draft_token=rng.uniform(0, 0.004), per_draft_forward=rng.uniform(0, 0.004))
+        free = choose_draft_lengths(acceptance, costs, max_k)
+        floor = float(rng.uniform(0.3, 1.0))
+        assert choose_draft_lengths(acceptance, costs, max_k, speed_floor=floor).tolist() == free.tolist()
+        assert slowest_share(acceptance, costs, free) >= floor - 1e-12
+
+
 def best_gain_order_candidate_keeping_the_floor(acceptance, costs, max_k, floor) -> float:
     """The goodput of the best draft set the floored search may pick, each candidate built and tested
     one at a time: for a longest draft M, the largest gains below position M (earlier position on ties),
