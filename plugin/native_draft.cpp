@@ -24,7 +24,7 @@ namespace {
 
 constexpr int64_t kPerLayer = 7;  // in_norm, post_norm, qkv, qkv bias (empty: none), o, up, down
 constexpr int64_t kLoopWidth = 4;  // feeds of up to this many tokens per row attend query by query
-constexpr int64_t kNarrowRows = 4;  // feeds of up to this many tokens in all take the bfloat16 products
+constexpr int64_t kNarrowRows = 16;  // feeds of up to this many tokens in all take the bfloat16 products
 constexpr int64_t kBlock = 64;  // outputs per accumulator block: the bfloat16 copies pad their columns to it
 
 inline float from_bf16(uint16_t bits) {
@@ -34,29 +34,72 @@ inline float from_bf16(uint16_t bits) {
   return value;
 }
 
+// Rows r < R of out[:, :count] (row stride m) = (accumulate ? out : bias or 0) + x[r, :k] . w[:, :count], for
+// w a block of B columns of the transposed bfloat16 weights (row stride padded). Each weight row is read
+// and widened once for the R rows; the accumulators stay in registers.
+template <int R, int B>
+void block_bf16(const float* x, int64_t k, const uint16_t* w, int64_t padded, const float* bias, float* out,
+                int64_t m, int64_t count, bool accumulate) {
+  float acc[R][B] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    const uint16_t* wi = w + i * padded;
+    if constexpr (R == 1) {
+      const float xi = x[i];
+#pragma omp simd
+      for (int j = 0; j < B; ++j) acc[0][j] += xi * from_bf16(wi[j]);
+    } else {
+      float wide[B];
+#pragma omp simd
+      for (int j = 0; j < B; ++j) wide[j] = from_bf16(wi[j]);
+      for (int r = 0; r < R; ++r) {
+        const float xi = x[r * k + i];
+#pragma omp simd
+        for (int j = 0; j < B; ++j) acc[r][j] += xi * wide[j];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * m;
+    for (int64_t j = 0; j < count; ++j) o[j] = (accumulate ? o[j] : (bias ? bias[j] : 0.f)) + acc[r][j];
+  }
+}
+
 // out[r, :m] = (accumulate ? out[r, :m] : bias or 0) + x[r, :k] . w for r < n, with w the product's
-// weights transposed, [k, m rounded up to kBlock], as bfloat16 bits. Each block of weights is read once
-// and stays in L1 for the n rows (n is small: kNarrowRows).
+// weights transposed, [k, m rounded up to kBlock], as bfloat16 bits: rows four at a time over blocks of
+// 16 columns (each block, k x 16, read from memory once and then from L1 for every group), the last
+// n % 4 rows one at a time over blocks of kBlock.
 void linear_bf16(const float* x, const at::Tensor& transposed, const float* bias, float* out, int64_t n,
                  int64_t k, int64_t m, bool accumulate) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(transposed.data_ptr<at::BFloat16>());
-  const int64_t padded = transposed.size(1);
-  for (int64_t block = 0; block < m; block += kBlock) {
-    const int64_t count = std::min(kBlock, m - block);
-    for (int64_t r = 0; r < n; ++r) {
-      float acc[kBlock] = {0.f};
-      const float* row = x + r * k;
-      for (int64_t i = 0; i < k; ++i) {
-        const float xi = row[i];
-        const uint16_t* wi = w + i * padded + block;
-#pragma omp simd
-        for (int64_t j = 0; j < kBlock; ++j) acc[j] += xi * from_bf16(wi[j]);
-      }
-      float* o = out + r * m + block;
-      for (int64_t j = 0; j < count; ++j)
-        o[j] = (accumulate ? o[j] : (bias ? bias[block + j] : 0.f)) + acc[j];
-    }
+  const int64_t padded = transposed.size(1), grouped = n - n % 4;
+  for (int64_t block = 0; grouped && block < m; block += 16)
+    for (int64_t r = 0; r < grouped; r += 4)
+      block_bf16<4, 16>(x + r * k, k, w + block, padded, bias ? bias + block : nullptr, out + r * m + block, m,
+                        std::min<int64_t>(16, m - block), accumulate);
+  for (int64_t block = 0; block < m; block += kBlock)
+    for (int64_t r = grouped; r < n; ++r)
+      block_bf16<1, kBlock>(x + r * k, k, w + block, padded, bias ? bias + block : nullptr, out + r * m + block, m,
+                            std::min(kBlock, m - block), accumulate);
+}
+
+// input [n, k] . weight [m, k] transposed (+ bias, when not empty), as a new [n, m]: through the bfloat16
+// copy when one is given, else ATen's float32 product.
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor* copy) {
+  if (!copy) return bias.numel() ? at::addmm(bias, input, weight.t()) : at::mm(input, weight.t());
+  at::Tensor out = at::empty({input.size(0), weight.size(0)}, input.options());
+  linear_bf16(input.data_ptr<float>(), *copy, bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+              input.size(0), input.size(1), weight.size(0), false);
+  return out;
+}
+
+// x [n, m] += input [n, k] . weight [m, k] transposed, the same two ways.
+void add_linear(at::Tensor& x, const at::Tensor& input, const at::Tensor& weight, const at::Tensor* copy) {
+  if (!copy) {
+    x.addmm_(input, weight.t());
+    return;
   }
+  linear_bf16(input.data_ptr<float>(), *copy, nullptr, x.data_ptr<float>(), input.size(0), input.size(1),
+              weight.size(0), true);
 }
 
 // out[n, :] = x[n, :] / rms(x[n, :]) * weight, for the n rows of x [n, d].
@@ -159,6 +202,7 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
     visible = (at::arange(longest + 1, tok.options()).view({1, 1, -1}) <= pos).unsqueeze(1);
   }
   const auto options = embed.options();
+  const at::Tensor no_bias = at::empty({0}, options);
   at::Tensor x = embed.index_select(0, tok.view({-1}));  // [n, d] the residual stream
   at::Tensor h = at::empty({n, d}, options);
   at::Tensor attn = at::empty({n, q_dim}, options);
@@ -176,14 +220,7 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
     const at::Tensor* w = layers.data() + layer * kPerLayer;
     rms_norm(x_p, w[0].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
     const at::Tensor* w16 = use_narrow ? narrow.data() + layer * 4 : nullptr;  // qkv, o, up, down
-    at::Tensor qkv;  // [n, qkv_dim]
-    if (w16) {
-      qkv = at::empty({n, qkv_dim}, options);
-      linear_bf16(h.data_ptr<float>(), w16[0], w[3].numel() ? w[3].data_ptr<float>() : nullptr,
-                  qkv.data_ptr<float>(), n, d, qkv_dim, false);
-    } else {
-      qkv = w[3].numel() ? at::addmm(w[3], h, w[2].t()) : at::mm(h, w[2].t());
-    }
+    at::Tensor qkv = linear(h, w[2], w[3], w16);  // [n, qkv_dim]
     float* qkv_p = qkv.data_ptr<float>();
     float* keys = k_cache.data_ptr<float>() + layer * layer_stride;
     float* values = v_cache.data_ptr<float>() + layer * layer_stride;
@@ -215,17 +252,10 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
       at::Tensor out = at::scaled_dot_product_attention(q, cached_k, cached_v, visible);  // [B, H, T, hd]
       attn.copy_(out.transpose(1, 2).reshape({n, q_dim}));
     }
-    if (w16) linear_bf16(attn.data_ptr<float>(), w16[1], nullptr, x_p, n, q_dim, d, true);
-    else x.addmm_(attn, w[4].t());
+    add_linear(x, attn, w[4], w16 ? w16 + 1 : nullptr);
     rms_norm(x_p, w[1].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
-    const int64_t inner = w[6].size(1);
-    at::Tensor up;  // [n, 2 * intermediate]: gate, then up
-    if (w16) {
-      up = at::empty({n, 2 * inner}, options);
-      linear_bf16(h.data_ptr<float>(), w16[2], nullptr, up.data_ptr<float>(), n, d, 2 * inner, false);
-    } else {
-      up = at::mm(h, w[5].t());
-    }
+    at::Tensor up = linear(h, w[5], no_bias, w16 ? w16 + 2 : nullptr);  // [n, 2 * intermediate]: gate, then up
+    const int64_t inner = up.size(1) / 2;
     at::Tensor act = at::empty({n, inner}, options);
     const float* up_p = up.data_ptr<float>();
     float* act_p = act.data_ptr<float>();
@@ -234,8 +264,7 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
         const float gate = up_p[i * 2 * inner + j];
         act_p[i * inner + j] = gate / (1.f + std::exp(-gate)) * up_p[i * 2 * inner + inner + j];
       }
-    if (w16) linear_bf16(act_p, w16[3], nullptr, x_p, n, inner, d, true);
-    else x.addmm_(act, w[6].t());
+    add_linear(x, act, w[6], w16 ? w16 + 3 : nullptr);
   }
   if (last.numel() == 0) return at::empty({0}, options);
   const auto last_c = last.to(at::kLong).contiguous();
@@ -246,11 +275,8 @@ at::Tensor draft_forward(const at::Tensor& tokens, const at::Tensor& start, cons
     rms_norm(x_p + (b * width + last_p[b]) * d, final_norm.data_ptr<float>(),
              final_h.data_ptr<float>() + b * d, 1, d, eps);
   }
-  if (narrow.empty() || batch > kNarrowRows) return at::mm(final_h, lm_head.t());
-  at::Tensor logits = at::empty({batch, lm_head.size(0)}, options);
-  linear_bf16(final_h.data_ptr<float>(), narrow.back(), nullptr, logits.data_ptr<float>(), batch, d,
-              lm_head.size(0), false);
-  return logits;
+  const bool narrow_head = !narrow.empty() && batch <= kNarrowRows;
+  return linear(final_h, lm_head, no_bias, narrow_head ? &narrow.back() : nullptr);
 }
 
 TORCH_LIBRARY(specserve_native, m) {

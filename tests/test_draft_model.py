@@ -42,8 +42,8 @@ def save_random(tmp_path, kind, bf16_values=False):
                                          ("llama", True), ("qwen2", True), ("qwen2", "bf16 values")])
 def test_incremental_batched_logits_match_transformers(tmp_path, kind, native):
     """native "bf16 values": weights that are exactly bfloat16 values, so that the native forward's
-    narrow feeds (the one-token steps of 3 rows) multiply by its bfloat16 copies; float32 weights that
-    are not get none (the copy would change the arithmetic)."""
+    narrow feeds (up to 16 tokens: the one- and two-token steps) multiply by its bfloat16 copies; float32
+    weights that are not get none (the copy would change the arithmetic)."""
     hf = save_random(tmp_path, kind, bf16_values=native == "bf16 values")
     draft = DraftModel(tmp_path, max_rows=4, max_len=64)
     if native:
@@ -51,7 +51,7 @@ def test_incremental_batched_logits_match_transformers(tmp_path, kind, native):
         assert draft.native
         assert draft.native_narrow == (native == "bf16 values")
     gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 4, 12)]
+    seqs = [torch.randint(0, 97, (n,), generator=gen) for n in (11, 6, 14)]
     with torch.no_grad():
         expected = [hf(input_ids=s.unsqueeze(0)).logits[0].float() for s in seqs]
 
@@ -72,6 +72,13 @@ def test_incremental_batched_logits_match_transformers(tmp_path, kind, native):
         for i in range(3):
             torch.testing.assert_close(logits[i], expected[i][pos[i]], atol=1e-4, rtol=1e-4)
         pos = pos + 1
+
+    # Two tokens a row, 6 in all (the native forward's bfloat16 products: a group of four and two single rows).
+    tokens = torch.stack([seqs[i][pos[i]: pos[i] + 2] for i in range(3)])
+    logits = draft.forward(tokens, pos, torch.ones(3, dtype=torch.long))
+    for i in range(3):
+        torch.testing.assert_close(logits[i], expected[i][pos[i] + 1], atol=1e-4, rtol=1e-4)
+    pos = pos + 2
 
     # Rows move (vLLM condensed its batch): row 2's cache becomes row 0's.
     draft.move_rows([2], [0])
