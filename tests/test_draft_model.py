@@ -105,7 +105,7 @@ def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
     """On the shipped draft, from the same cache: the native call writes the same keys and values as the
     eager forward (1e-5) and returns the same logits (1e-4 relative), for one-token steps at several
     batch sizes, width-2 catch-ups, and a rebuild chunk fed to named cache rows without logits; feeds of
-    up to 4 tokens through the bfloat16 copies of its weights, wider ones through float32 products."""
+    up to 16 tokens through the bfloat16 copies of its weights, wider ones (18) through float32 products."""
     from deployment.defaults import DEMO_DRAFT
 
     eager = DraftModel(DEMO_DRAFT, max_rows=8, max_len=128)
@@ -115,8 +115,8 @@ def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
     for model in (eager, native):  # the same cache contents in both: an eager prefill
         model.forward(prefix, torch.zeros(8, dtype=torch.long), None)
     native.use_native()
-    assert native.native_narrow  # a bfloat16 checkpoint: feeds of up to 4 tokens take the bfloat16 copies
-    cases = [(1, 1), (4, 1), (2, 2), (5, 1), (8, 1), (3, 2)]
+    assert native.native_narrow  # a bfloat16 checkpoint: feeds of up to 16 tokens take the bfloat16 copies
+    cases = [(1, 1), (4, 1), (2, 2), (5, 1), (8, 1), (3, 2), (6, 3)]
     for batch, width in cases:
         tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
         start = torch.randint(60, 100, (batch,), generator=gen)
