@@ -120,7 +120,7 @@ class DraftModel:
         shape = (self.num_layers, max_rows, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        self._native = None  # (the native op, its per-layer weights, the final norm, bfloat16 copies) once `use_native` succeeds
+        self._native = None  # (the native op, per-layer weights, final norm, bfloat16 copies) after `use_native`
 
     def native_unsupported(self) -> str | None:
         """Why this decoder cannot run the native forward (`plugin.native_draft`), or None if it can."""
