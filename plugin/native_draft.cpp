@@ -72,6 +72,10 @@ void linear_bf16(const float* x, const at::Tensor& transposed, const float* bias
                  int64_t k, int64_t m, bool accumulate) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(transposed.data_ptr<at::BFloat16>());
   const int64_t padded = transposed.size(1), grouped = n - n % 4;
+  // The blocks read whole kBlock-wide column blocks: a copy padded otherwise (plugin/native_draft.py's
+  // BLOCK out of step with kBlock) would be read past its end.
+  TORCH_CHECK(transposed.size(0) == k && padded % kBlock == 0 && padded >= m,
+              "specserve native draft: a bfloat16 copy must be [k, m rounded up to ", kBlock, "]");
   for (int64_t block = 0; grouped && block < m; block += 16)
     for (int64_t r = 0; r < grouped; r += 4)
       block_bf16<4, 16>(x + r * k, k, w + block, padded, bias ? bias + block : nullptr, out + r * m + block, m,
