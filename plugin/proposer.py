@@ -220,7 +220,7 @@ class DraftProposer:
             self.last_step_seconds = time.perf_counter() - start
             self.stats["draft_seconds"] += self.last_step_seconds
             if not self._rebuilds:  # a prefix rebuild is a one-off cost, not the step's
-                self.policy.observe_draft(self._forwards, self._row_forwards, self.last_step_seconds)
+                self.policy.observe_draft(batch, self._forwards, self._row_forwards, self.last_step_seconds)
         internals.hand_draft_probs(self.runner, q, req_ids)
         return drafts
 

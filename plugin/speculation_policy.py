@@ -207,26 +207,31 @@ class AcceptanceTracker:
 class OnlineLinearCost:
     """Seconds as a linear function of a step's features, fitted online: least squares over
     exponentially decaying sums (forgetting `decay` per observation), regularised towards a prior
-    (start-up calibration) with the weight of `prior_weight` observations at the features' `scale`."""
+    with the weight of `prior_weight` observations at the features' `scale`. The prior is fixed (the
+    start-up calibration, `set_prior`) or, given a `parent` fit, the parent's coefficients: a fit of
+    part of the steps that falls back on the fit of them all where its own steps say little."""
 
     RESOLVE_EVERY = 8
 
     def __init__(self, names: tuple[str, ...], prior: np.ndarray, scale: np.ndarray,
-                 decay: float = 0.99, prior_weight: float = 3.0):
+                 decay: float = 0.99, prior_weight: float = 3.0, parent: "OnlineLinearCost | None" = None):
         self.names = names
         self.prior = np.asarray(prior, dtype=float)
-        self.scale = np.asarray(scale, dtype=float)
+        self.scale = np.asarray(scale, dtype=float)  # shared with a parent's (calibration rescales it)
         self.prior_weight = prior_weight
         self.decay = decay
+        self.parent = parent
         self.xtx = np.zeros((len(names), len(names)))
         self.xty = np.zeros(len(names))
         self.observations = 0
-        self._solved: tuple[int, np.ndarray] | None = None  # (observations, coefficients) last solved
+        self._solved: tuple[int, object, np.ndarray] | None = None  # (observations, parent's solve, coefficients)
 
-    def observe(self, features: np.ndarray, seconds: float) -> None:
+    def observe(self, features: np.ndarray, seconds: float, weight: float = 1.0) -> None:
+        """One step; weight < 1 first ages what is held by that factor beyond the usual decay (the
+        steps that other fits saw since this one's last)."""
         x = np.asarray(features, dtype=float)
-        self.xtx = self.decay * self.xtx + np.outer(x, x)
-        self.xty = self.decay * self.xty + x * seconds
+        self.xtx = weight * self.decay * self.xtx + np.outer(x, x)
+        self.xty = weight * self.decay * self.xty + x * seconds
         self.observations += 1
 
     def set_prior(self, prior: np.ndarray) -> None:
@@ -235,17 +240,87 @@ class OnlineLinearCost:
 
     def coefficients(self) -> np.ndarray:
         """Non-negative coefficients (no feature makes a step faster), solved again every RESOLVE_EVERY
-        observations: costs drift slowly, and the step should not pay for a solve it does not need."""
-        if self._solved is None or self.observations - self._solved[0] >= self.RESOLVE_EVERY:
+        observations or when the parent's were: costs drift slowly, and the step should not pay for a
+        solve it does not need."""
+        prior, parent_solve = self.prior, None
+        if self.parent is not None:
+            prior = self.parent.coefficients()
+            parent_solve = self.parent._solved
+        if (self._solved is None or self.observations - self._solved[0] >= self.RESOLVE_EVERY
+                or self._solved[1] is not parent_solve):
             ridge = self.prior_weight * np.diag(self.scale ** 2)
-            theta = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ self.prior)
-            self._solved = (self.observations, np.maximum(theta, 0.0))
-        return self._solved[1]
+            theta = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ prior)
+            self._solved = (self.observations, parent_solve, np.maximum(theta, 0.0))
+        return self._solved[2]
 
     def summary(self) -> dict:
         """Coefficients (milliseconds, or a plain factor for a `*_scale` feature) and the observations seen."""
         return {name: round(float(c) * (1 if name.endswith("scale") else 1e3), 4)
                 for name, c in zip(self.names, self.coefficients())} | {"observations": self.observations}
+
+
+def batch_band(requests: int) -> int:
+    """Band of batch sizes: 0 for 1 request, 1 for 2, 2 for 3-4, 3 for 5-8, ... (doubling)."""
+    return max(int(requests) - 1, 0).bit_length()
+
+
+def band_label(band: int) -> str:
+    low, high = (1 << (band - 1)) + 1 if band else 1, 1 << band
+    return str(high) if low == high else f"{low}-{high}"
+
+
+class BandedCost:
+    """An `OnlineLinearCost` of every step, and one per band of batch sizes (`batch_band`) shrunk
+    towards it: what a feature costs is not the same at every batch size (the target's forward is bound
+    by its weights' traffic at batch 1 and by arithmetic at 16; the proposer's fixed costs are spread over
+    more rows), and one fit of all steps is pulled towards the batch sizes the engine ran most (after a
+    batch-1 run, a draft token looked 1 ms dear at batch 4, where it cost 0.3). A band with few recent
+    steps falls back on the fit of all; every band ages with the engine's steps, not only its own."""
+
+    def __init__(self, names: tuple[str, ...], prior, scale, decay: float = 0.99, prior_weight: float = 3.0):
+        self.all = OnlineLinearCost(names, prior, scale, decay, prior_weight)
+        self.bands: dict[int, OnlineLinearCost] = {}
+        self._seen: dict[int, int] = {}  # band -> the all-steps count at its last observation
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.all.names
+
+    @property
+    def scale(self) -> np.ndarray:
+        return self.all.scale
+
+    def set_prior(self, prior) -> None:
+        self.all.set_prior(prior)
+
+    def observe(self, requests: int, features: np.ndarray, seconds: float) -> None:
+        self.all.observe(features, seconds)
+        band = batch_band(requests)
+        if band not in self.bands:
+            self.bands[band] = OnlineLinearCost(self.all.names, self.all.prior, self.all.scale, self.all.decay,
+                                                self.all.prior_weight, parent=self.all)
+        missed = self.all.observations - 1 - self._seen.get(band, self.all.observations - 1)
+        self.bands[band].observe(features, seconds, weight=self.all.decay ** missed)
+        self._seen[band] = self.all.observations
+
+    def coefficients(self, requests: int | None = None) -> np.ndarray:
+        """For a batch of this many requests (its band's fit, with the data it has aged by the steps it
+        missed since), or over all steps when None."""
+        band = None if requests is None else self.bands.get(batch_band(requests))
+        if band is None:
+            return self.all.coefficients()
+        key = batch_band(requests)
+        missed = self.all.observations - self._seen[key]
+        if missed >= OnlineLinearCost.RESOLVE_EVERY:  # age it now, so that a band left behind fades
+            band.xtx *= band.decay ** missed
+            band.xty *= band.decay ** missed
+            self._seen[key] = self.all.observations
+            band._solved = None
+        return band.coefficients()
+
+    def summary(self) -> dict:
+        """The fit of all steps, and each band's (keyed by its batch sizes)."""
+        return self.all.summary() | {"by_batch": {band_label(b): fit.summary() for b, fit in sorted(self.bands.items())}}
 
 
 def _logit(p):
@@ -284,7 +359,8 @@ class SpeculationPolicy:
     drafted, draft forwards, rows fed), and the engine's time between two worker steps (1, requests,
     draft tokens): the scheduler and the output processing run once per step and handle every draft
     token, so a step that drafts more also costs more outside the worker, and a step's fixed engine cost
-    is what drafting saves on.
+    is what drafting saves on. Each fit is kept per band of batch sizes as well (`BandedCost`), and a
+    batch is costed by its band's.
     The two forward features get coefficients of their own, so that what a step costs without drafts
     (sampling, scheduling, per-request work) does not leak into what verifying one more token costs.
     Both start from a calibration (`calibrate_target`, `calibrate_draft`) so that the first steps are
@@ -322,9 +398,9 @@ class SpeculationPolicy:
         # step drafts, the two are all but collinear, and an even ridge split the step's fixed time between
         # them (18.8 and 18.1 ms at concurrency 32 in serving), so a step without drafts looked 18 ms cheaper
         # than it was. Where steps with and without drafts both occur, the data still moves it.
-        self.target = OnlineLinearCost(self.TARGET_FEATURES, prior=self.TARGET_PRIOR, scale=[1, 8, 0.03, 0.03, 3, 2])
-        self.draft = OnlineLinearCost(self.DRAFT_FEATURES, prior=[0.0, 0.0, 0.001, 0.0], scale=[1, 0.3, 4, 16])
-        self.engine = OnlineLinearCost(self.ENGINE_FEATURES, prior=[0.0, 0.0, 0.0], scale=[1, 8, 16])
+        self.target = BandedCost(self.TARGET_FEATURES, prior=self.TARGET_PRIOR, scale=[1, 8, 0.03, 0.03, 3, 2])
+        self.draft = BandedCost(self.DRAFT_FEATURES, prior=[0.0, 0.0, 0.001, 0.0], scale=[1, 0.3, 4, 16])
+        self.engine = BandedCost(self.ENGINE_FEATURES, prior=[0.0, 0.0, 0.0], scale=[1, 8, 16])
         self.forced: dict[str, float] = {}
         self.calibration: dict[str, dict] = {}
         self.histogram = np.zeros(max_k + 1, dtype=np.int64)  # chosen K per request-step
@@ -361,15 +437,16 @@ class SpeculationPolicy:
         attention cost is not what the policy decides about."""
         plain, forward = self.forward_time(np.array([float(requests), float(max(tokens, requests))]))
         drafts = float(max(tokens - requests, 0))
-        self.target.observe(np.array([1.0, requests, plain, forward - plain, float(drafted), drafts]), seconds)
+        self.target.observe(requests, np.array([1.0, requests, plain, forward - plain, float(drafted), drafts]), seconds)
 
-    def observe_draft(self, forwards: int, row_forwards: int, seconds: float) -> None:
-        self.draft.observe(np.array([1.0, float(forwards > 0), forwards, row_forwards]), seconds)
+    def observe_draft(self, requests: int, forwards: int, row_forwards: int, seconds: float) -> None:
+        """One step of the proposer for a batch of this many requests: draft forwards run, rows they fed."""
+        self.draft.observe(requests, np.array([1.0, float(forwards > 0), forwards, row_forwards]), seconds)
 
     def observe_engine(self, requests: int, draft_tokens: int, seconds: float) -> None:
         """The engine's time between two decode steps of the worker (scheduling this step, processing
         the last one's output), against this step's requests and the draft tokens it verifies."""
-        self.engine.observe(np.array([1.0, requests, draft_tokens]), seconds)
+        self.engine.observe(requests, np.array([1.0, requests, draft_tokens]), seconds)
 
     def force_costs(self, overrides: dict[str, float] | None) -> None:
         """Pin StepCosts fields (seconds) whatever the fits say; None lifts the pin."""
@@ -407,9 +484,9 @@ class SpeculationPolicy:
 
     def costs(self, requests: int) -> StepCosts:
         """The step-time model for a batch of this many decoding requests (one token each unless drafted)."""
-        step, per_request, plain_scale, verify_scale, drafting, target_per_draft_token = self.target.coefficients()
-        overhead, draft_drafting, per_forward, per_row_forward = self.draft.coefficients()
-        engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients()
+        step, per_request, plain_scale, verify_scale, drafting, target_per_draft_token = self.target.coefficients(requests)
+        overhead, draft_drafting, per_forward, per_row_forward = self.draft.coefficients(requests)
+        engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients(requests)
         plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
         rows_fed = min(requests, self.acceptance.rows)  # each draft forward feeds the batch's rows (see above)
 
@@ -456,7 +533,7 @@ class SpeculationPolicy:
         adaptive policy measures costs)."""
         if self.mode != "adaptive":
             return None
-        overhead = self.draft.coefficients()[0]
+        overhead = self.draft.coefficients(1)[0]
         costs = self.costs(1)
         draft_forward = costs.per_draft_forward + costs.per_draft_token
         return float((costs.base - overhead) / draft_forward) if draft_forward > 0 else None

@@ -43,6 +43,7 @@ def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, dra
         "specserve": engine_kwargs(True, k, **pair, profile_steps=profile),
         "specserve-fixed": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="fixed"),
         "specserve-off": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="off"),
+        "specserve-nofloor": engine_kwargs(True, k, **pair, profile_steps=profile, request_speed_floor=None),
         "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
         "specserve-eager": engine_kwargs(True, k, **pair, profile_steps=profile, native_draft="off"),
         "vllm-draft_model": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {

@@ -355,7 +355,7 @@ def test_a_verified_draft_token_the_calibration_cannot_see_is_learnt_and_lowers_
             k = int(rng.integers(0, 7))
             policy.observe_target(1, 1 + k, k > 0, 0.007 + 0.001 + per_token * k)
             if k:
-                policy.observe_draft(k, k, 0.0007 * k)
+                policy.observe_draft(1, k, k, 0.0007 * k)
         return policy
 
     learnt = policy_after(0.0004)
@@ -377,9 +377,35 @@ def test_what_a_drafting_step_adds_once_is_saved_by_a_step_without_drafts():
     rng = np.random.default_rng(0)
     for _ in range(300):
         forwards, rows = int(rng.integers(0, 5)), int(rng.integers(1, 5))
-        policy.observe_draft(forwards, rows * forwards,
+        policy.observe_draft(rows, forwards, rows * forwards,
                              0.0002 + 0.001 * (forwards > 0) + (0.00048 + 0.00002 * rows) * forwards)
     costs = policy.costs(2)
     assert costs.drafting == pytest.approx(0.001, abs=1e-4)
     assert costs.base - base_before == pytest.approx(0.0002, abs=1e-4)  # the every-step overhead, not the 1 ms
     assert policy.draft.coefficients()[0] == pytest.approx(0.0002, abs=1e-4)
+
+
+def test_each_band_of_batch_sizes_learns_its_own_step_costs():
+    """A draft token's cost differs by batch size (weight traffic at batch 1, arithmetic at 16), and one
+    fit of every step is pulled towards the sizes the engine ran most: after 300 batch-1 steps where a
+    draft token costs 1 ms, 40 steps at batch 4 where it costs 0.3 ms must be enough for batch 4's
+    costs, without changing batch 1's. A band that has not run for a while falls back on the fit of all."""
+    policy = SpeculationPolicy("adaptive", max_k=6, rows=4)
+    policy.calibrate_target({1: 0.007, 8: 0.007, 64: 0.012})
+    rng = np.random.default_rng(0)
+
+    def run(requests: int, steps: int, fixed: float, per_token: float) -> None:
+        for _ in range(steps):
+            d = int(rng.integers(0, 6 * requests + 1))
+            policy.observe_target(requests, requests + d, d > 0, fixed + per_token * d + rng.normal(0, 2e-4))
+
+    run(1, 300, 0.008, 0.001)
+    run(4, 40, 0.015, 0.0003)
+    assert policy.costs(4).token_time(np.array([12]))[0] == pytest.approx(12 * 0.0003, rel=0.2)
+    assert policy.costs(4).base == pytest.approx(0.015, rel=0.1)
+    assert policy.costs(1).token_time(np.array([6]))[0] == pytest.approx(6 * 0.001, rel=0.15)
+    mixed = policy.target.coefficients()  # all steps: between the two
+    assert policy.target.summary()["by_batch"].keys() == {"1", "3-4"}
+    run(1, 800, 0.008, 0.001)  # batch 4's steps have aged away: it is costed as all steps are
+    assert policy.costs(4).token_time(np.array([12]))[0] == pytest.approx(12 * 0.001, rel=0.15)
+    assert not np.allclose(mixed, policy.target.coefficients())
