@@ -217,7 +217,7 @@ class OnlineLinearCost:
                  decay: float = 0.99, prior_weight: float = 3.0, parent: "OnlineLinearCost | None" = None):
         self.names = names
         self.prior = np.asarray(prior, dtype=float)
-        self.scale = np.asarray(scale, dtype=float)  # shared with a parent's (calibration rescales it)
+        self.scale = np.asarray(scale, dtype=float)  # a band's is its parent's array: calibration rescales both
         self.prior_weight = prior_weight
         self.decay = decay
         self.parent = parent
@@ -226,13 +226,18 @@ class OnlineLinearCost:
         self.observations = 0
         self._solved: tuple[int, object, np.ndarray] | None = None  # (observations, parent's solve, coefficients)
 
-    def observe(self, features: np.ndarray, seconds: float, weight: float = 1.0) -> None:
-        """One step; weight < 1 first ages what is held by that factor beyond the usual decay (the
-        steps that other fits saw since this one's last)."""
+    def observe(self, features: np.ndarray, seconds: float) -> None:
         x = np.asarray(features, dtype=float)
-        self.xtx = weight * self.decay * self.xtx + np.outer(x, x)
-        self.xty = weight * self.decay * self.xty + x * seconds
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * seconds
         self.observations += 1
+
+    def age(self, steps: int) -> None:
+        """Forget as if this many steps had passed unseen (a part's fit, for the steps other parts saw)."""
+        if steps > 0:
+            self.xtx *= self.decay ** steps
+            self.xty *= self.decay ** steps
+            self._solved = None
 
     def set_prior(self, prior: np.ndarray) -> None:
         self.prior = np.asarray(prior, dtype=float)
@@ -274,7 +279,7 @@ class BandedCost:
     towards it: what a feature costs is not the same at every batch size (the target's forward is bound
     by its weights' traffic at batch 1 and by arithmetic at 16; the proposer's fixed costs are spread over
     more rows), and one fit of all steps is pulled towards the batch sizes the engine ran most (after a
-    batch-1 run, a draft token looked 1 ms dear at batch 4, where it cost 0.3). A band with few recent
+    batch-1 run, a draft token looked 1 ms dear at batch 4, where it cost 0.3-0.5). A band with few recent
     steps falls back on the fit of all; every band ages with the engine's steps, not only its own."""
 
     def __init__(self, names: tuple[str, ...], prior, scale, decay: float = 0.99, prior_weight: float = 3.0):
@@ -294,29 +299,30 @@ class BandedCost:
         self.all.set_prior(prior)
 
     def observe(self, requests: int, features: np.ndarray, seconds: float) -> None:
-        self.all.observe(features, seconds)
         band = batch_band(requests)
         if band not in self.bands:
             self.bands[band] = OnlineLinearCost(self.all.names, self.all.prior, self.all.scale, self.all.decay,
                                                 self.all.prior_weight, parent=self.all)
-        missed = self.all.observations - 1 - self._seen.get(band, self.all.observations - 1)
-        self.bands[band].observe(features, seconds, weight=self.all.decay ** missed)
+            self._seen[band] = self.all.observations
+        self._catch_up(band)
+        self.all.observe(features, seconds)
+        self.bands[band].observe(features, seconds)
+        self._seen[band] = self.all.observations
+
+    def _catch_up(self, band: int) -> None:
+        """Age a band's fit by the steps of other bands since its last."""
+        self.bands[band].age(self.all.observations - self._seen[band])
         self._seen[band] = self.all.observations
 
     def coefficients(self, requests: int | None = None) -> np.ndarray:
-        """For a batch of this many requests (its band's fit, with the data it has aged by the steps it
-        missed since), or over all steps when None."""
-        band = None if requests is None else self.bands.get(batch_band(requests))
-        if band is None:
+        """For a batch of this many requests (its band's fit, aged by the steps it missed), or over all
+        steps when None."""
+        band = None if requests is None else batch_band(requests)
+        if band not in self.bands:
             return self.all.coefficients()
-        key = batch_band(requests)
-        missed = self.all.observations - self._seen[key]
-        if missed >= OnlineLinearCost.RESOLVE_EVERY:  # age it now, so that a band left behind fades
-            band.xtx *= band.decay ** missed
-            band.xty *= band.decay ** missed
-            self._seen[key] = self.all.observations
-            band._solved = None
-        return band.coefficients()
+        if self.all.observations - self._seen[band] >= OnlineLinearCost.RESOLVE_EVERY:  # a band left behind fades
+            self._catch_up(band)
+        return self.bands[band].coefficients()
 
     def summary(self) -> dict:
         """The fit of all steps, and each band's (keyed by its batch sizes)."""
