@@ -288,10 +288,6 @@ class BandedCost:
         self._seen: dict[int, int] = {}  # band -> the all-steps count at its last observation
 
     @property
-    def names(self) -> tuple[str, ...]:
-        return self.all.names
-
-    @property
     def scale(self) -> np.ndarray:
         return self.all.scale
 
