@@ -9,6 +9,7 @@ PROPOSER_CLASS = "plugin.proposer.DraftProposer"
 WORKER_CLASS = "plugin.worker.SpeculativeWorker"
 CONFIG_KEY = "specserve"
 SWITCH = ("auto", "on", "off")  # the values of compile_draft and native_draft
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # the values of draft_cache_dtype
 
 
 def check_switch(name: str, value: str) -> None:
@@ -62,6 +63,7 @@ def speculative_engine_kwargs(
     max_draft_rows: int | None = None,
     max_draft_len: int | None = None,
     draft_dtype: str = "auto",
+    draft_cache_dtype: str = "auto",
     fault_injection_rate: float = 0.0,
     profile_steps: bool = False,
     compile_draft: str = "auto",
@@ -87,6 +89,10 @@ def speculative_engine_kwargs(
         checks again at start-up either way.
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
         for; default min(max_num_seqs, 64) rows of max_model_len positions).
+    draft_dtype: "auto" (float32 on CPU, the target's dtype elsewhere) or a torch dtype name.
+    draft_cache_dtype: the draft's KV cache: "auto" (bfloat16 under a float32 draft on CPU, where reading
+        the cache is most of a draft forward at a large batch; the draft's dtype elsewhere), "float32",
+        "bfloat16" or "float16".
     fault_injection_rate: share of steps whose drafting fails on purpose (tests only).
     compile_draft: "auto" (compiled one-token draft decode on CUDA, eager on CPU), "on" or "off"; a compile
         failure falls back to eager.
@@ -102,6 +108,8 @@ def speculative_engine_kwargs(
         raise ValueError("num_speculative_tokens must be at least 1")
     check_switch("compile_draft", compile_draft)
     check_switch("native_draft", native_draft)
+    if draft_cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"draft_cache_dtype must be one of {CACHE_DTYPES}, not {draft_cache_dtype!r}")
     if k_policy not in POLICIES:
         raise ValueError(f"k_policy must be one of {POLICIES}, not {k_policy!r}")
     check_speed_floor(request_speed_floor)
@@ -112,6 +120,7 @@ def speculative_engine_kwargs(
         "max_draft_rows": max_draft_rows,
         "max_draft_len": max_draft_len,
         "draft_dtype": draft_dtype,
+        "draft_cache_dtype": draft_cache_dtype,
         "fault_injection_rate": fault_injection_rate,
         "profile_steps": profile_steps,
         "compile_draft": compile_draft,

@@ -77,7 +77,8 @@ def _gpt2_layers(w: dict, num_layers: int) -> list[dict]:
 class DraftModel:
     """Batched incremental decoding over cache rows 0..B-1 (row i = vLLM batch row i)."""
 
-    def __init__(self, model_dir: str | Path, max_rows: int, max_len: int, device="cpu", dtype=torch.float32):
+    def __init__(self, model_dir: str | Path, max_rows: int, max_len: int, device="cpu", dtype=torch.float32,
+                 cache_dtype: torch.dtype | None = None):
         model_dir = Path(model_dir)
         cfg = read_config(model_dir)
         arch = (cfg.get("architectures") or ["?"])[0]
@@ -87,6 +88,10 @@ class DraftModel:
         self.gpt2 = arch in GPT2_STYLE
         self.max_rows, self.max_len = max_rows, max_len
         self.device, self.dtype = torch.device(device), dtype
+        # The KV cache may be narrower than the arithmetic (bfloat16 under float32: keys and values rounded
+        # as they are stored, read back widened): attention over a long prefix reads the whole cache every
+        # forward, and at a batch of 16 that read, not the products, is most of a CPU draft forward.
+        self.cache_dtype = cache_dtype or dtype
         w = _load_weights(model_dir, self.device, dtype)
         self.vocab_size = cfg["vocab_size"]
         if self.gpt2:
@@ -118,9 +123,9 @@ class DraftModel:
 
         self._arange = torch.arange(max(max_len, max_rows), device=self.device)
         shape = (self.num_layers, max_rows, self.num_kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        self._native = None  # (the native op, per-layer weights, final norm, bfloat16 copies) after `use_native`
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.cache_dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.cache_dtype)
+        self._native = None  # (the native op, per-layer weights, final norm, both bfloat16 forms) after `use_native`
 
     def native_unsupported(self) -> str | None:
         """Why this decoder cannot run the native forward (`plugin.native_draft`), or None if it can."""
@@ -128,6 +133,8 @@ class DraftModel:
             return "GPT-2-family drafts run eagerly"
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return f"the native forward is for float32 on CPU, not {self.dtype} on {self.device.type}"
+        if self.cache_dtype not in (torch.float32, torch.bfloat16):
+            return f"the native forward keeps its cache in float32 or bfloat16, not {self.cache_dtype}"
         return None
 
     def use_native(self) -> float:
@@ -146,7 +153,7 @@ class DraftModel:
         products = [layer[name] for layer in self.layers for name in ("qkv", "o", "up", "down")] + [self.lm_head]
         # The native code reads the norms' weights as dense blocks (no-ops for a loaded checkpoint).
         self._native = (native_draft.forward_op(), [w.contiguous() for w in weights], self.final_norm.contiguous(),
-                        native_draft.narrow_products(products))
+                        *native_draft.bfloat16_products(products))
         return seconds
 
     @property
@@ -156,7 +163,7 @@ class DraftModel:
     @property
     def native_narrow(self) -> bool:
         """Whether the native forward's narrow feeds multiply by bfloat16 copies of the weights (only where
-        the weights are exactly bfloat16 values: `plugin.native_draft.narrow_products`)."""
+        the weights are exactly bfloat16 values: `plugin.native_draft.bfloat16_products`)."""
         return self._native is not None and bool(self._native[3])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -244,10 +251,10 @@ class DraftModel:
         x, rope = self._embed(tokens, positions)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, rope)
-            self.k_cache[i][rows, :, positions] = k
-            self.v_cache[i][rows, :, positions] = v
-            keys = self.k_cache[i, cache_rows, :, :key_len]
-            values = self.v_cache[i, cache_rows, :, :key_len]
+            self.k_cache[i][rows, :, positions] = k.to(self.cache_dtype)
+            self.v_cache[i][rows, :, positions] = v.to(self.cache_dtype)
+            keys = self.k_cache[i, cache_rows, :, :key_len].to(self.dtype)
+            values = self.v_cache[i, cache_rows, :, :key_len].to(self.dtype)
             if groups > 1:
                 keys = keys.repeat_interleave(groups, dim=1)
                 values = values.repeat_interleave(groups, dim=1)
@@ -259,11 +266,11 @@ class DraftModel:
 
     def _native_forward(self, tokens, start, last, rows):
         """forward's contract, as one native call (`plugin/native_draft.cpp`)."""
-        op, weights, final_norm, narrow = self._native
+        op, weights, final_norm, narrow, wide = self._native
         logits = op(tokens, start, last if last is not None else start[:0],
                     rows if rows is not None else self._arange[: tokens.shape[0]], weights, self.embed,
                     final_norm, self.lm_head, self.cos, self.sin, self.k_cache, self.v_cache,
-                    self.num_heads, self.num_kv_heads, self.eps, narrow)
+                    self.num_heads, self.num_kv_heads, self.eps, narrow, wide)
         return logits if last is not None else None
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int):
@@ -288,7 +295,8 @@ class DraftModel:
             new_keys.append(k)
             new_values.append(v)
             q = q.reshape(batch, self.num_kv_heads, groups, self.head_dim)  # grouped-query heads share keys
-            keys, values = self.k_cache[i, :batch, :, :key_len], self.v_cache[i, :batch, :, :key_len]
+            keys = self.k_cache[i, :batch, :, :key_len].to(self.dtype)
+            values = self.v_cache[i, :batch, :, :key_len].to(self.dtype)
             cached = (q @ keys.transpose(-1, -2)) * scale  # [B, kv_heads, groups, key_len]
             cached = cached.masked_fill(~before, float("-inf"))
             own = (q @ k.unsqueeze(-1)) * scale  # [B, kv_heads, groups, 1]
@@ -302,5 +310,5 @@ class DraftModel:
         rows = torch.arange(keys.shape[1], device=self.device)
         at = positions.clamp_max(self.max_len - 1)
         # Advanced indices separated by a slice put their dimension first: the target is [B, layers, ...].
-        self.k_cache[:, rows, :, at] = keys.transpose(0, 1)
-        self.v_cache[:, rows, :, at] = values.transpose(0, 1)
+        self.k_cache[:, rows, :, at] = keys.transpose(0, 1).to(self.cache_dtype)
+        self.v_cache[:, rows, :, at] = values.transpose(0, 1).to(self.cache_dtype)

@@ -5,8 +5,10 @@ C++ extension builder on first use and cached by it (`TORCH_EXTENSIONS_DIR`, by 
 Why: on CPU a small draft is bound by per-operation overhead. The shipped draft's one-token forward
 took 0.46 ms from Python and 0.13 from the native call at batch 1, 1.9 against 0.9 at batch 16 (here,
 one thread). Inside an engine it is bound by memory too: the target's forward before it leaves the
-draft's weights out of cache, so feeds of a few tokens multiply by bfloat16 copies (half the bytes;
-`narrow_products`). The engines running several at once build it once: the builder locks its directory.
+draft's weights out of cache, so feeds of a few tokens multiply by bfloat16 copies (half the bytes),
+and products of many rows (a prompt rebuilt, the LM head of a batch of 16) multiply in bfloat16
+(`bfloat16_products`). The engines running several at once build it once: the builder locks its
+directory.
 """
 
 import sys
@@ -45,14 +47,21 @@ def load() -> float:
 BLOCK = 64  # the native products' output block (kBlock in native_draft.cpp)
 
 
-def narrow_products(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The bfloat16 copies the native forward's narrow feeds multiply by (see native_draft.cpp): each
-    weight [m, k] transposed to [k, m rounded up to BLOCK], or none at all when some weight is not
-    exactly a bfloat16 value (a float32 checkpoint), where the copy would change the draft's arithmetic."""
+def bfloat16_products(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The two bfloat16 forms of the products' weights [m, k] the native forward multiplies by, or none at
+    all when some weight is not exactly a bfloat16 value (a float32 checkpoint), where they would change
+    the draft's weights:
+    - copies for narrow feeds (`linear_bf16` in native_draft.cpp): transposed, [k, m rounded up to BLOCK],
+      with float32 arithmetic, the same as float32's;
+    - the weights as they are, for products of many rows, which multiply in bfloat16 (oneDNN; AMX where
+      the processor has it). Rounding their inputs to bfloat16 moves the draft's logits at bfloat16's
+      precision, as bfloat16 autocast would; q stays the distribution the draft's tokens are drawn from,
+      so the verification stays exact."""
     if not all(torch.equal(w, w.to(torch.bfloat16).to(w.dtype)) for w in weights):
-        return []
-    return [torch.nn.functional.pad(w.t().to(torch.bfloat16), (0, -w.shape[0] % BLOCK)).contiguous()
-            for w in weights]
+        return [], []
+    copies = [torch.nn.functional.pad(w.t().to(torch.bfloat16), (0, -w.shape[0] % BLOCK)).contiguous()
+              for w in weights]
+    return copies, [w.to(torch.bfloat16).contiguous() for w in weights]
 
 
 def forward_op():

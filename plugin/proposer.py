@@ -90,6 +90,11 @@ class DraftProposer:
         dtype = options.get("draft_dtype", "auto")
         self.dtype = torch.float32 if dtype == "auto" and self.device.type == "cpu" else (
             model_config.dtype if dtype == "auto" else getattr(torch, dtype))
+        # auto: a bfloat16 cache under a float32 draft on CPU (half the bytes attention reads; the target's own
+        # KV cache is bfloat16 too), the draft's dtype elsewhere.
+        cache_dtype = options.get("draft_cache_dtype", "auto")
+        self.cache_dtype = getattr(torch, cache_dtype) if cache_dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cpu" and self.dtype == torch.float32 else self.dtype)
         self.fault_rate = float(options.get("fault_injection_rate") or 0.0)
         compile_draft = options.get("compile_draft", "auto")
         check_switch("compile_draft", compile_draft)
@@ -125,10 +130,10 @@ class DraftProposer:
     # --- wiring ------------------------------------------------------------------------------------
 
     def load_model(self, target_model=None) -> None:
-        self.model = DraftModel(self.draft_dir, self.max_rows, self.max_len, self.device, self.dtype)
-        logger.info("specserve draft %s: %d layers, K=%d, KV cache %d rows x %d positions (%.1f MiB)",
+        self.model = DraftModel(self.draft_dir, self.max_rows, self.max_len, self.device, self.dtype, self.cache_dtype)
+        logger.info("specserve draft %s: %d layers, K=%d, KV cache %d rows x %d positions in %s (%.1f MiB)",
                     self.draft_dir, self.model.num_layers, self.k, self.max_rows, self.max_len,
-                    self.model.cache_bytes / 2**20)
+                    str(self.cache_dtype).removeprefix("torch."), self.model.cache_bytes / 2**20)
         if self.native != "off":
             self._use_native()
         if self.compile:

@@ -46,6 +46,7 @@ def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, dra
         "specserve-nofloor": engine_kwargs(True, k, **pair, profile_steps=profile, request_speed_floor=None),
         "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
         "specserve-eager": engine_kwargs(True, k, **pair, profile_steps=profile, native_draft="off"),
+        "specserve-f32cache": engine_kwargs(True, k, **pair, profile_steps=profile, draft_cache_dtype="float32"),
         "vllm-draft_model": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {
             "method": "draft_model", "model": str(draft), "num_speculative_tokens": k}},
         "vllm-ngram": engine_kwargs(False, target=target) | vllm_own | {"speculative_config": {

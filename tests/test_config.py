@@ -47,3 +47,11 @@ def test_the_draft_switches_reach_the_speculator_and_a_bad_value_is_refused(swit
     assert options[switch] == "off"
     with pytest.raises(ValueError, match=f"{switch} must be 'auto', 'on' or 'off', not 'yes'"):
         speculative_engine_kwargs("models/draft", 4, **{switch: "yes"})
+
+
+def test_the_draft_cache_dtype_reaches_the_speculator_and_a_bad_value_is_refused():
+    options = speculative_engine_kwargs("models/draft", 4, draft_cache_dtype="float32")["additional_config"]["specserve"]
+    assert options["draft_cache_dtype"] == "float32"
+    assert speculative_engine_kwargs("models/draft", 4)["additional_config"]["specserve"]["draft_cache_dtype"] == "auto"
+    with pytest.raises(ValueError, match="draft_cache_dtype must be one of"):
+        speculative_engine_kwargs("models/draft", 4, draft_cache_dtype="int8")

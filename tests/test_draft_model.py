@@ -105,7 +105,8 @@ def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
     """On the shipped draft, from the same cache: the native call writes the same keys and values as the
     eager forward (1e-5) and returns the same logits (1e-4 relative), for one-token steps at several
     batch sizes, width-2 catch-ups, and a rebuild chunk fed to named cache rows without logits; feeds of
-    up to 16 tokens through the bfloat16 copies of its weights, wider ones (18) through float32 products."""
+    up to 8 tokens through the bfloat16 copies of its weights, wider ones (10, 18, 60) through float32
+    products."""
     from deployment.defaults import DEMO_DRAFT
 
     eager = DraftModel(DEMO_DRAFT, max_rows=8, max_len=128)
@@ -116,7 +117,7 @@ def test_native_forward_equals_eager_for_named_rows_chunks_and_no_logits():
         model.forward(prefix, torch.zeros(8, dtype=torch.long), None)
     native.use_native()
     assert native.native_narrow  # a bfloat16 checkpoint: feeds of up to 16 tokens take the bfloat16 copies
-    cases = [(1, 1), (4, 1), (2, 2), (5, 1), (8, 1), (3, 2), (6, 3)]
+    cases = [(1, 1), (4, 1), (2, 2), (5, 1), (8, 1), (3, 2), (5, 2), (6, 3)]
     for batch, width in cases:
         tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
         start = torch.randint(60, 100, (batch,), generator=gen)
@@ -143,3 +144,61 @@ def test_native_forward_is_refused_where_it_does_not_apply(tmp_path):
     assert not draft.native
     save_random(tmp_path, "llama")
     assert "float32" in DraftModel(tmp_path, max_rows=1, max_len=8, dtype=torch.bfloat16).native_unsupported()
+
+
+def test_bfloat16_cache_native_equals_eager_and_stays_near_float32():
+    """The engine's default on CPU (draft_cache_dtype "auto"): float32 arithmetic over a bfloat16 KV cache.
+    On the shipped draft, from the same prefill, the native call and the eager forward with bfloat16 caches
+    store the same keys and values (bfloat16's own tolerance: an entry may round the other way where the
+    two products differ in float32's last bits) and return the same logits (1e-4); against a float32 cache
+    each next-token distribution moves by at most 0.01 in total variation and keeps its argmax."""
+    from deployment.defaults import DEMO_DRAFT
+
+    eager, native = (DraftModel(DEMO_DRAFT, max_rows=8, max_len=128, cache_dtype=torch.bfloat16) for _ in range(2))
+    wide = DraftModel(DEMO_DRAFT, max_rows=8, max_len=128)
+    assert eager.k_cache.dtype == torch.bfloat16 and wide.k_cache.dtype == torch.float32
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, eager.vocab_size, (8, 100), generator=gen)
+    for model in (eager, native, wide):
+        model.forward(prefix, torch.zeros(8, dtype=torch.long), None)
+    native.use_native()
+    for batch, width in [(1, 1), (4, 1), (2, 2), (8, 1), (3, 2), (6, 3), (2, 9)]:
+        tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
+        start = torch.randint(60, 100, (batch,), generator=gen)
+        last = torch.randint(0, width, (batch,), generator=gen)
+        logits = native.forward(tokens, start, last)
+        torch.testing.assert_close(logits, eager.forward(tokens, start, last), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(native.k_cache, eager.k_cache)
+        torch.testing.assert_close(native.v_cache, eager.v_cache)
+        reference = wide.forward(tokens, start, last)
+        assert (logits.softmax(-1) - reference.softmax(-1)).abs().sum(-1).max() / 2 <= 0.01
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+def test_native_products_of_many_rows_multiply_in_bfloat16_near_float32():
+    """Where the weights are exactly bfloat16 values, the native forward multiplies the LM head of 16 rows
+    or more, and layer products of 128 rows or more (a batch of prompts rebuilt), in bfloat16 (oneDNN).
+    On the shipped draft, against the eager float32 forward from the same cache: each next-token
+    distribution within 0.01 in total variation, and 15 of every 16 argmaxes or more the same (a near
+    tie may turn); the keys and values the rebuild writes within bfloat16's rounding of the products."""
+    from deployment.defaults import DEMO_DRAFT
+
+    eager, native = (DraftModel(DEMO_DRAFT, max_rows=20, max_len=400) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, eager.vocab_size, (20, 100), generator=gen)
+    for model in (eager, native):
+        model.forward(prefix, torch.zeros(20, dtype=torch.long), None)
+    native.use_native()
+    agree = rows = 0
+    for batch, width in [(16, 1), (20, 1), (17, 2), (2, 64), (4, 40)]:  # LM heads of 16-20 rows; 128 and 160 fed
+        tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
+        start = torch.randint(60, 100, (batch,), generator=gen)
+        last = torch.randint(0, width, (batch,), generator=gen)
+        logits, reference = native.forward(tokens, start, last), eager.forward(tokens, start, last)
+        assert (logits.softmax(-1) - reference.softmax(-1)).abs().sum(-1).max() / 2 <= 0.01
+        agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+        rows += batch
+        scale = eager.k_cache.abs().max()
+        torch.testing.assert_close(native.k_cache, eager.k_cache, atol=float(scale) * 2**-7, rtol=0)
+        torch.testing.assert_close(native.v_cache, eager.v_cache, atol=float(eager.v_cache.abs().max()) * 2**-7, rtol=0)
+    assert agree >= rows * 15 / 16

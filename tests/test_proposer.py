@@ -20,11 +20,15 @@ from plugin.proposer import DraftProposer  # noqa: E402
 K, MAX_LEN, VOCAB, SLOTS = 3, 320, 4096, 8
 
 
-def make_proposer(k_policy: str = "fixed", compile_draft: str = "auto", native_draft: str = "auto") -> DraftProposer:
+def make_proposer(k_policy: str = "fixed", compile_draft: str = "auto", native_draft: str = "auto",
+                  draft_cache_dtype: str = "float32") -> DraftProposer:
+    """A proposer on the shipped draft. Its cache is float32 unless asked (the engine's default on CPU is
+    bfloat16), so that its q can be held to the eager float32 reference's to float32 rounding."""
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=K),
         additional_config={"specserve": {"draft_model": DEMO_DRAFT, "max_draft_rows": 4, "k_policy": k_policy,
-                                         "compile_draft": compile_draft, "native_draft": native_draft}},
+                                         "compile_draft": compile_draft, "native_draft": native_draft,
+                                         "draft_cache_dtype": draft_cache_dtype}},
         model_config=SimpleNamespace(tokenizer=DEMO_DRAFT, model=DEMO_DRAFT, max_model_len=MAX_LEN,
                                      dtype=torch.float32, get_vocab_size=lambda: VOCAB),
         scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
@@ -131,6 +135,16 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     assert proposer.stats["failures"] == 0
     if compiled:  # every one-token forward, catch-up included, went through the compiled step
         assert proposer.decode.failed is None, proposer.decode.failed
+
+
+def test_the_draft_cache_is_bfloat16_under_a_float32_draft_on_cpu_unless_asked_otherwise():
+    """auto: a float32 draft on CPU keeps its KV cache in bfloat16 (half the bytes its attention reads),
+    natively and eagerly alike; a named dtype is kept."""
+    for native in ("auto", "off"):
+        proposer = make_proposer(native_draft=native, draft_cache_dtype="auto")
+        assert proposer.model.k_cache.dtype == proposer.model.v_cache.dtype == torch.bfloat16
+        assert proposer.model.dtype == torch.float32
+    assert make_proposer(draft_cache_dtype="float32").model.k_cache.dtype == torch.float32
 
 
 def test_native_forward_falls_back_to_eager_unless_required(monkeypatch):
