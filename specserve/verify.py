@@ -3,8 +3,9 @@
 Checks (the exit status is 0 only when all three pass):
 1. vocabulary:   the draft shares the target's tokenizer (`plugin.config.check_shared_vocabulary`).
 2. greedy:       the speculative engine's greedy tokens equal the plain engine's on N prompts x M tokens; a
-                 divergence passes only as a near-tie (the plain target's top two within NEAR_TIE_NATS there),
-                 and is reported either way, and at most one prompt in 32 (at least one) may show one.
+                 divergence passes only as a near-tie that the speculative token is part of (its logprob under
+                 the plain target within NEAR_TIE_NATS of the top one there), is reported either way, and at
+                 most one per TOKENS_PER_TIE tokens compared (at least one) may occur.
 3. distribution: at each sampling setting, the joint distribution of generated tokens 2 and 3 (token 1 comes
                  from the prefill step, which drafts nothing) from the speculative engine against the plain
                  engine's: a chi-square two-sample test (rare pairs pooled). The sample size is chosen from a
@@ -32,6 +33,11 @@ SIGNIFICANCE = 1e-3
 MIN_TV = 0.05
 POWER = 0.9
 NEAR_TIE_NATS = 0.05
+# bfloat16 logits computed at another batch shape (a verify step's rows, not a decode step's) round an exact tie
+# either way: measured on the shipped pair, 0 to 3 such first divergences in 64 prompts x 64 tokens (about one
+# per 1,300 tokens compared at worst), so one per 512 leaves room while still catching a drift in precision.
+TOKENS_PER_TIE = 512
+TOP_LOGPROBS = 5  # the plain run records its top 5 per position: enough to find a tied speculative token
 PILOT = 2000
 SAMPLE_SIZES = (2000, 4000, 8000, 16000)
 METHODS = ("specserve", "vllm-draft_model", "vllm-ngram", "plain")
@@ -119,10 +125,10 @@ class Setting:
 
 @dataclass
 class EngineRun:
-    """What one engine produced: greedy tokens (and the plain target's top-2 gaps), (t2, t3) samples per
+    """What one engine produced: greedy tokens (and the plain target's top logprobs at each), (t2, t3) samples per
     setting, per-request speculation metrics, and its batch-1 time per output token."""
     greedy: list[list[int]] = field(default_factory=list)
-    gaps: list[list[float]] = field(default_factory=list)
+    top: list[list[dict[int, float]]] = field(default_factory=list)
     samples: dict[str, collections.Counter] = field(default_factory=dict)
     drafted_share: dict[str, float] = field(default_factory=dict)
     acceptance: dict[str, float] = field(default_factory=dict)
@@ -173,11 +179,11 @@ def run_engine(kwargs: dict, greedy_prompts: list[str], greedy_tokens: int, dist
     run = EngineRun()
     llm = start_llm(seed=0, **kwargs)
     try:
-        greedy = SamplingParams(temperature=0, max_tokens=greedy_tokens, ignore_eos=True, logprobs=2 if plain else None)
+        greedy = SamplingParams(temperature=0, max_tokens=greedy_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS if plain else None)
         for out in llm.generate(greedy_prompts, greedy, use_tqdm=False):
             run.greedy.append(list(out.outputs[0].token_ids))
             if plain:
-                run.gaps.append([_top2_gap(step) for step in out.outputs[0].logprobs])
+                run.top.append(top_logprobs(out))
         log(f"greedy: {len(greedy_prompts)} prompts x {greedy_tokens} tokens")
         for setting in settings:
             key = setting.label()
@@ -198,9 +204,33 @@ def run_engine(kwargs: dict, greedy_prompts: list[str], greedy_tokens: int, dist
     return run
 
 
-def _top2_gap(step: dict) -> float:
-    values = sorted((lp.logprob for lp in step.values()), reverse=True)
-    return values[0] - values[1] if len(values) > 1 else float("inf")
+def top_logprobs(output) -> list[dict[int, float]]:
+    """A vLLM request output's logprobs, per position: token id to logprob."""
+    return [{t: lp.logprob for t, lp in step.items()} for step in output.outputs[0].logprobs]
+
+
+def greedy_divergences(plain: list[list[int]], top: list[list[dict[int, float]]], spec: list[list[int]]) -> list[dict]:
+    """Each prompt whose greedy tokens differ: the first token that differs, the plain target's top-2 gap there,
+    and whether it is a near-tie the speculative token is part of (its logprob within NEAR_TIE_NATS of the top)."""
+    divergences = []
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        if a == b:
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        logprobs = top[i][at] if at < min(len(a), len(b)) else {}
+        ranked = sorted(logprobs.values(), reverse=True)
+        gap = ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+        near_tie = b[at] in logprobs if at < len(b) else False
+        near_tie = near_tie and ranked[0] - logprobs[b[at]] < NEAR_TIE_NATS
+        divergences.append({"prompt": i, "token": at, "top2_gap_nats": gap, "near_tie": near_tie})
+    return divergences
+
+
+def allowed_divergences(plain: list[list[int]], divergences: list[dict]) -> int:
+    """How many near-tie divergences the tokens compared (each prompt up to its first divergence) allow."""
+    first = {d["prompt"]: d["token"] for d in divergences}
+    compared = sum(first.get(i, len(a)) for i, a in enumerate(plain))
+    return max(1, compared // TOKENS_PER_TIE)
 
 
 # --- the checks ------------------------------------------------------------------------------------------
@@ -218,14 +248,9 @@ def vocabulary_check(target: str, draft: str | None) -> dict:
 
 
 def greedy_check(plain: EngineRun, spec: EngineRun) -> dict:
-    divergences = []
-    for i, (a, b) in enumerate(zip(plain.greedy, spec.greedy)):
-        if a != b:
-            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            gap = plain.gaps[i][at] if at < len(plain.gaps[i]) else float("inf")
-            divergences.append({"prompt": i, "token": at, "top2_gap_nats": gap, "near_tie": gap < NEAR_TIE_NATS})
+    divergences = greedy_divergences(plain.greedy, plain.top, spec.greedy)
     n = len(plain.greedy)
-    passed = all(d["near_tie"] for d in divergences) and len(divergences) <= max(1, n // 32)
+    passed = all(d["near_tie"] for d in divergences) and len(divergences) <= allowed_divergences(plain.greedy, divergences)
     return {"passed": passed, "prompts": n, "divergences": divergences,
             "detail": f"{n - len(divergences)} of {n} prompts identical"
                       + (f"; {sum(d['near_tie'] for d in divergences)} divergences are near-ties" if divergences else "")}

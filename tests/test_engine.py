@@ -9,13 +9,12 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 
 from loadtest import load_prompts  # noqa: E402
-from specserve.verify import homogeneity  # noqa: E402
+from specserve.verify import TOP_LOGPROBS, allowed_divergences, greedy_divergences, homogeneity, top_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 GREEDY_PROMPTS = 64
 NEW_TOKENS = 64
-NEAR_TIE_NATS = 0.05  # a divergence is a bf16 near-tie when the target's top two differ by less
 
 
 def greedy(max_tokens=NEW_TOKENS, **kw):
@@ -32,15 +31,9 @@ def held_out_prompts(n):
     return [p["prompt"] for p in prompts[::step][:n]]
 
 
-def top2_gap(llm, prompt_ids):
-    out = llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=1, logprobs=2))
-    lps = sorted((lp.logprob for lp in out[0].outputs[0].logprobs[0].values()), reverse=True)
-    return lps[0] - lps[1]
-
-
 def test_greedy_text_equals_plain_engine(plain_llm, spec_llm):
     prompts = held_out_prompts(GREEDY_PROMPTS)
-    plain = plain_llm.generate(prompts, greedy())
+    plain = plain_llm.generate(prompts, greedy(logprobs=TOP_LOGPROBS))
     # The policy weighs measured step times, which this shared machine makes noisy (one CI run saw 34
     # of 64 requests draft at batch 32): a step base cost pinned far above the rest makes every
     # request's longest draft the best choice, so that what is tested here, greedy equality while
@@ -50,17 +43,15 @@ def test_greedy_text_equals_plain_engine(plain_llm, spec_llm):
         spec = spec_llm.generate(prompts, greedy())
     finally:
         spec_llm.collective_rpc("specserve_force_costs", args=(None,))
-    differ = []
-    for p_out, s_out in zip(plain, spec):
-        a, b = list(p_out.outputs[0].token_ids), list(s_out.outputs[0].token_ids)
-        if a != b:
-            at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            gap = top2_gap(plain_llm, list(p_out.prompt_token_ids) + a[:at])
-            differ.append((p_out.prompt[-40:], at, gap))
-    message = "\n".join(f"prompt ...{p!r}: diverges at token {at}, target top-2 gap {gap:.4f} nats"
-                        for p, at, gap in differ)
-    assert all(gap < NEAR_TIE_NATS for _, _, gap in differ), "not a near-tie:\n" + message
-    assert len(differ) * 32 < len(prompts), f"{len(differ)} of {len(prompts)} differ:\n" + message
+    # A divergence passes only where the plain target's logprob of the speculative token is within
+    # NEAR_TIE_NATS of its top one (bfloat16 logits at a verify step's shape round exact ties either
+    # way), and such ties are rare: at most one per TOKENS_PER_TIE tokens compared (specserve verify's check).
+    plain_ids = token_ids(plain)
+    differ = greedy_divergences(plain_ids, [top_logprobs(o) for o in plain], token_ids(spec))
+    message = "\n".join(f"prompt ...{prompts[d['prompt']][-40:]!r}: diverges at token {d['token']}, target top-2 gap "
+                        f"{d['top2_gap_nats']:.4f} nats, {'a near-tie' if d['near_tie'] else 'NOT a near-tie'}" for d in differ)
+    assert all(d["near_tie"] for d in differ), "not a near-tie:\n" + message
+    assert len(differ) <= allowed_divergences(plain_ids, differ), f"{len(differ)} of {len(prompts)} differ:\n" + message
     # Speculation did happen on most requests (the policy chose K for each), and a large share of the
     # drafts was accepted on this distilled pair: 0.41 of them measured here at fixed K = 6 (0.62 at the
     # first position), more with adaptive K, which drafts less where acceptance is poor; a draft that did

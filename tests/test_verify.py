@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from specserve.verify import MIN_TV, homogeneity, rejection_rate, sample_size, shifted
+from specserve.verify import (MIN_TV, TOKENS_PER_TIE, allowed_divergences, greedy_divergences, homogeneity,
+                              rejection_rate, sample_size, shifted)
 
 # A realistic (t2, t3) distribution: Zipf-like over 300 pairs.
 PAIRS = np.array([1.0 / (i + 1) ** 1.1 for i in range(300)])
@@ -41,6 +42,22 @@ def test_homogeneity_pools_rare_pairs_and_reports_total_variation():
     p, tv = homogeneity(a, b)
     # (5, 6) and (7, 8) are rare (under 10 together) and pooled: 5 and 5; total variation over the cells tested.
     assert p < 1e-6 and tv == pytest.approx(0.5 * (200 + 200 + 0) / 985)
+
+
+def test_a_greedy_divergence_passes_only_where_the_speculative_token_ties_the_top_one():
+    plain = [[1, 2, 3], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    spec = [[1, 2, 3], [1, 9, 3], [4, 5, 7], [7]]
+    top = [[{}] * 3,
+           [{1: -0.1}, {2: -0.69, 9: -0.70, 3: -3.0}, {3: -0.1}],  # 9 ties 2 (0.01 nats): a near-tie
+           [{4: -0.1}, {5: -0.1}, {6: -0.69, 8: -0.69, 7: -0.9}],  # an exact tie, but 7 is not part of it
+           [{7: -0.1}, {8: -0.1}, {9: -0.1}]]                      # cut short: no token to compare
+    divergences = greedy_divergences(plain, top, spec)
+    assert [(d["prompt"], d["token"], d["near_tie"]) for d in divergences] == [(1, 1, True), (2, 2, False), (3, 1, False)]
+    assert divergences[0]["top2_gap_nats"] == pytest.approx(0.01) and divergences[1]["top2_gap_nats"] == 0.0
+    # The allowance counts the tokens compared, each prompt up to its first divergence.
+    assert allowed_divergences(plain, divergences) == 1
+    long = [[0] * TOKENS_PER_TIE] * 5
+    assert allowed_divergences(long, [{"prompt": 0, "token": 0}]) == 4
 
 
 def run_cli(*argv):
