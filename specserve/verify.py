@@ -220,8 +220,8 @@ def greedy_divergences(plain: list[list[int]], top: list[list[dict[int, float]]]
         logprobs = top[i][at] if at < min(len(a), len(b)) else {}
         ranked = sorted(logprobs.values(), reverse=True)
         gap = ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
-        near_tie = b[at] in logprobs if at < len(b) else False
-        near_tie = near_tie and ranked[0] - logprobs[b[at]] < NEAR_TIE_NATS
+        # logprobs is empty where either sequence ended at `at`: then no token to compare, never a near-tie.
+        near_tie = bool(logprobs) and b[at] in logprobs and ranked[0] - logprobs[b[at]] < NEAR_TIE_NATS
         divergences.append({"prompt": i, "token": at, "top2_gap_nats": gap, "near_tie": near_tie})
     return divergences
 
