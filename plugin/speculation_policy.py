@@ -94,17 +94,31 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     tokens = n + np.cumsum(taken_gain, axis=1)
     time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
     rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
+    m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
     # One request: its speed is the step's goodput, whose best is at least its rate without drafts, so
-    # the floor cannot bind (and its check is most of the search's time at batch 1).
-    if speed_floor is not None and n > 1:
+    # the floor cannot bind (and its check is most of the search's time at batch 1). Several: when the
+    # best candidate keeps the floor it is also the best (the first, on ties) of those that do, so the
+    # check over every candidate runs only when it does not.
+    if speed_floor is not None and n > 1 and not _keeps_floor(
+            gains, rows_sorted[: pick + 1], pos_sorted[: pick + 1] < m + 1, time[m, pick], costs.base / speed_floor):
         rank = np.empty(n * max_k, dtype=np.int64)
         rank[order] = np.arange(n * max_k)
         rate = np.where(_floor_kept(gains, rank.reshape(n, max_k), time, costs.base / speed_floor), rate, -np.inf)
-    m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
+        m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
     if rate[m, pick] > best_rate * (1 + 1e-9):
         taken = within[m, : pick + 1]
         best_k = np.bincount(rows_sorted[: pick + 1][taken], minlength=n).astype(np.int64)
     return best_k
+
+
+def _keeps_floor(gains: np.ndarray, rows: np.ndarray, taken: np.ndarray, time: float, bound_per_token: float) -> bool:
+    """Whether one candidate keeps the floor: it takes, among the sorted gains' rows [p] (gains [n,
+    max_k]), those where taken [p]; every row's expected tokens, 1 plus its taken gains (a prefix of the
+    row, so its count picks the sum), times bound_per_token must be at least the candidate's time."""
+    counts = np.bincount(rows[taken], minlength=gains.shape[0])  # [n]
+    tokens = 1.0 + np.concatenate([np.zeros((gains.shape[0], 1)), np.cumsum(gains, axis=1)], axis=1)[
+        np.arange(gains.shape[0]), counts]
+    return bool((tokens * bound_per_token >= time).all())
 
 
 def _floor_kept(gains: np.ndarray, rank: np.ndarray, time: np.ndarray, bound_per_token: float) -> np.ndarray:

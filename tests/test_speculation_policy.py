@@ -156,6 +156,30 @@ def test_the_floored_search_finds_the_best_candidate_that_keeps_the_floor(seed):
     assert goodput(acceptance, costs, k) == pytest.approx(expected, rel=1e-9)
 
 
+def test_the_floor_is_checked_over_every_candidate_only_when_the_best_one_breaks_it(monkeypatch):
+    """When the best candidate keeps the floor the search returns it without `_floor_kept`; the choice
+    is the same as with the full check on 300 random cases (seed 11), some of each kind."""
+    import plugin.speculation_policy as policy
+
+    rng = np.random.default_rng(11)
+    cases = []
+    for _ in range(300):
+        n, max_k = int(rng.integers(2, 9)), int(rng.integers(1, 7))
+        acceptance = rng.uniform(0.0, 1.0, (n, max_k)) ** rng.uniform(0.1, 2.0)
+        costs = StepCosts(base=rng.uniform(0.005, 0.05), drafting=rng.uniform(0, 0.005),
+                          per_draft_token=rng.uniform(0, 0.002), per_draft_forward=rng.uniform(0, 0.003))
+        cases.append((acceptance, costs, max_k, float(rng.uniform(0.2, 1.0))))
+    full_checks = []
+    floor_kept = policy._floor_kept
+    monkeypatch.setattr(policy, "_floor_kept", lambda *args: full_checks.append(1) or floor_kept(*args))
+    shortcut = [choose_draft_lengths(*case[:3], speed_floor=case[3]).tolist() for case in cases]
+    checked = len(full_checks)
+    monkeypatch.setattr(policy, "_keeps_floor", lambda *args: False)
+    full = [choose_draft_lengths(*case[:3], speed_floor=case[3]).tolist() for case in cases]
+    assert shortcut == full
+    assert 30 < checked < 270, checked  # both ways taken
+
+
 def test_a_speed_floor_outside_0_to_1_is_refused():
     for bad in (0, -0.5, 1.5, "1", True):
         with pytest.raises(ValueError, match="request_speed_floor"):
