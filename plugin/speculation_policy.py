@@ -94,48 +94,57 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     tokens = n + np.cumsum(taken_gain, axis=1)
     time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * longest
     rate = np.where(within, tokens / np.maximum(time, 1e-12), -np.inf)  # [max_k, n * max_k]
+
+    def chosen(m: int, pick: int) -> np.ndarray:  # candidate (M = m + 1, p = pick)'s K per row [n]
+        return np.bincount(rows_sorted[: pick + 1][within[m, : pick + 1]], minlength=n).astype(np.int64)
+
     m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
+    k = chosen(m, pick)
     # One request: its speed is the step's goodput, whose best is at least its rate without drafts, so
     # the floor cannot bind (and its check is most of the search's time at batch 1). Several: when the
     # best candidate keeps the floor it is also the best (the first, on ties) of those that do, so the
     # check over every candidate runs only when it does not.
-    if speed_floor is not None and n > 1 and not _keeps_floor(
-            gains, rows_sorted[: pick + 1], pos_sorted[: pick + 1] < m + 1, time[m, pick], costs.base / speed_floor):
-        rank = np.empty(n * max_k, dtype=np.int64)
-        rank[order] = np.arange(n * max_k)
-        rate = np.where(_floor_kept(gains, rank.reshape(n, max_k), time, costs.base / speed_floor), rate, -np.inf)
-        m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
+    if speed_floor is not None and n > 1:
+        by_count, bound = _tokens_by_count(gains), costs.base / speed_floor
+        if not _keeps_floor(by_count, k, time[m, pick], bound):
+            rank = np.empty(n * max_k, dtype=np.int64)
+            rank[order] = np.arange(n * max_k)
+            rate = np.where(_floor_kept(by_count, rank.reshape(n, max_k), time, bound), rate, -np.inf)
+            m, pick = np.unravel_index(int(rate.argmax()), rate.shape)
+            k = chosen(m, pick)
     if rate[m, pick] > best_rate * (1 + 1e-9):
-        taken = within[m, : pick + 1]
-        best_k = np.bincount(rows_sorted[: pick + 1][taken], minlength=n).astype(np.int64)
+        best_k = k
     return best_k
 
 
-def _keeps_floor(gains: np.ndarray, rows: np.ndarray, taken: np.ndarray, time: float, bound_per_token: float) -> bool:
-    """Whether one candidate keeps the floor: it takes, among the sorted gains' rows [p] (gains [n,
-    max_k]), those where taken [p]; every row's expected tokens, 1 plus its taken gains (a prefix of the
-    row, so its count picks the sum), times bound_per_token must be at least the candidate's time."""
-    counts = np.bincount(rows[taken], minlength=gains.shape[0])  # [n]
-    tokens = 1.0 + np.concatenate([np.zeros((gains.shape[0], 1)), np.cumsum(gains, axis=1)], axis=1)[
-        np.arange(gains.shape[0]), counts]
-    return bool((tokens * bound_per_token >= time).all())
+def _tokens_by_count(gains: np.ndarray) -> np.ndarray:
+    """Each row's expected tokens by how many drafts it takes, [n, max_k + 1] for gains [n, max_k]: 1 plus
+    its first c gains (a row's drafts are a prefix)."""
+    return 1.0 + np.concatenate([np.zeros((gains.shape[0], 1)), np.cumsum(gains, axis=1)], axis=1)
 
 
-def _floor_kept(gains: np.ndarray, rank: np.ndarray, time: np.ndarray, bound_per_token: float) -> np.ndarray:
+def _keeps_floor(tokens: np.ndarray, k: np.ndarray, time: float, bound_per_token: float) -> bool:
+    """Whether one candidate, K per row k [n] taking time seconds, keeps the floor: every row's expected
+    tokens (tokens [n, max_k + 1] by drafts taken) times bound_per_token at least its time, the test
+    `_floor_kept` makes for all candidates at once."""
+    return bool((tokens[np.arange(len(k)), k] * bound_per_token >= time).all())
+
+
+def _floor_kept(tokens: np.ndarray, rank: np.ndarray, time: np.ndarray, bound_per_token: float) -> np.ndarray:
     """Which candidates keep the speed floor, kept [max_k, N] (N = n * max_k): candidate (M, p) takes the
     gains at sorted places 0..p below position M, and keeps the floor when every row's expected tokens,
     1 plus its taken gains, times bound_per_token (base / floor) is at least the candidate's time.
 
-    gains [n, max_k], each row's gains; rank [n, max_k], the sorted place of each (increasing along a row);
+    tokens [n, max_k + 1], each row's expected tokens by drafts taken (`_tokens_by_count`); rank [n, max_k],
+    the sorted place of each row's gains (increasing along a row);
     time [max_k, N], each candidate's step time, never decreasing in p (costs are non-negative).
     A row's tokens are a step function of p: 1 before its first taken place, 1 + g_0 from there to its
     second, and so on up to M gains. Each such stretch fails the floor from the first p whose time
     exceeds its tokens' bound (one search in a sorted row of times) to its end, so the candidates that
     fail are a union of n * (M + 1) intervals, marked with a difference array: O(K_max * n * K_max * log N),
     where testing each row at each candidate would take O(K_max * n * N)."""
-    n, max_k = gains.shape
+    n, max_k = rank.shape
     places = time.shape[1]
-    tokens = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(gains, axis=1)], axis=1)  # [n, max_k + 1] by count c
     enters = np.concatenate([np.zeros((n, 1), dtype=np.int64), rank], axis=1)  # [n, max_k + 1] where count c starts
     kept = np.empty(time.shape, dtype=bool)
     for m in range(max_k):  # candidate longest draft M = m + 1: counts 0..M

@@ -158,7 +158,8 @@ def test_the_floored_search_finds_the_best_candidate_that_keeps_the_floor(seed):
 
 def test_the_floor_is_checked_over_every_candidate_only_when_the_best_one_breaks_it(monkeypatch):
     """When the best candidate keeps the floor the search returns it without `_floor_kept`; the choice
-    is the same as with the full check on 300 random cases (seed 11), some of each kind."""
+    is the same as with the full check over every candidate on 300 random cases (seed 11), some of each
+    kind."""
     import plugin.speculation_policy as policy
 
     rng = np.random.default_rng(11)
@@ -174,7 +175,7 @@ def test_the_floor_is_checked_over_every_candidate_only_when_the_best_one_breaks
     monkeypatch.setattr(policy, "_floor_kept", lambda *args: full_checks.append(1) or floor_kept(*args))
     shortcut = [choose_draft_lengths(*case[:3], speed_floor=case[3]).tolist() for case in cases]
     checked = len(full_checks)
-    monkeypatch.setattr(policy, "_keeps_floor", lambda *args: False)
+    monkeypatch.setattr(policy, "_keeps_floor", lambda *args: False)  # the full check every time
     full = [choose_draft_lengths(*case[:3], speed_floor=case[3]).tolist() for case in cases]
     assert shortcut == full
     assert 30 < checked < 270, checked  # both ways taken
