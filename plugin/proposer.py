@@ -5,9 +5,10 @@ accepted, asks the speculation policy (`plugin.speculation_policy`) how many tok
 drafts next (0 to K_max: from the request's acceptance and the measured step costs), catches the draft's
 KV cache up with the tokens of the requests that draft (usually just the recovered or bonus token; the
 whole prefix for a new or preempted request, or one that paused drafting, in a forward of its own so
-that other rows are not padded to it) and then drafts, one batched forward per draft position, up to
-the last row whose K_i reaches it (rows before it that have stopped feed scratch, so that the batch
-reads the cache as a view). A step in which no request drafts runs no draft forward at all. Each draft token is sampled from the request's processed draft
+that other rows are not padded to it) and then drafts, one batched forward per draft position, of the
+rows whose K_i reaches it (the native forward names its cache rows; the eager and compiled ones feed
+every row up to the last of those, the others scratch, so that the batch reads the cache as a view). A
+step in which no request drafts runs no draft forward at all. Each draft token is sampled from the request's processed draft
 distribution q (temperature, top-k, top-p; argmax when greedy), and q is handed to the model runner's
 draft-probability slot, so the target verifies with the full min(1, p/q) test.
 
@@ -142,6 +143,7 @@ class DraftProposer:
             logger.info("specserve draft decode compiled for batch sizes %s in %.1f s%s", self.decode.buckets,
                         self.decode.compile_seconds, f"; falling back to eager: {self.decode.failed}"
                         if self.decode.failed else "")
+        self.policy.feeds_drafting_rows = self.feeds_drafting_rows
         self.policy.calibrate_draft({rows: self._time_draft_forward(rows) for rows in (1, min(16, self.max_rows))})
 
     def _use_native(self) -> None:
@@ -317,9 +319,11 @@ class DraftProposer:
         [batch, K_max, vocab] (None when every drafting row is greedy: greedy rows are verified by
         argmax alone).
 
-        Forward j feeds rows 0..r-1, r one past the last row with K_i > j, so that the batch reads the
-        cache as a view (gathering the rows that draft would copy their caches); a row in that range
-        that does not draft position j feeds scratch beyond its valid prefix and its token is dropped.
+        Forward j feeds the rows with K_i > j alone where the forward names its cache rows for free (the
+        native one, `feeds_drafting_rows`); elsewhere rows 0..r-1, r one past the last row with K_i > j, so
+        that the batch reads the cache as a view (gathering the rows that draft would copy their caches),
+        and a row in that range that does not draft position j feeds scratch beyond its valid prefix and
+        its token is dropped.
 
         Catch-up is not padded to its longest row: most rows feed one or two tokens (the recovered or
         bonus token, after an all-accepted step the last draft too), so every row feeds at most
@@ -334,8 +338,8 @@ class DraftProposer:
                 self._feed(plan.token_ids, rebuilding, plan.start[rebuilding], lengths[rebuilding] - width)
             tail = np.where(drafting, np.minimum(lengths, width), 1)  # [rows] tokens fed in the first forward
             first = np.where(drafting, plan.end - tail, self.verified[:rows])  # [rows] position of the first
-            fed = int(np.nonzero(drafting)[0][-1]) + 1
-            tokens = self._gather_tokens(plan.token_ids, np.arange(fed), first[:fed], tail[:fed], drafting[:fed])
+            fed_np = self._fed_rows(np.nonzero(drafting)[0])  # [f]
+            tokens = self._gather_tokens(plan.token_ids, fed_np, first[fed_np], tail[fed_np], drafting[fed_np])
         temperature, top_k, top_p, generators = self._sampling_params(req_ids[:rows])
         greedy = temperature <= 0  # [rows]
         drafts = torch.zeros(rows, self.k, dtype=torch.long, device=self.device)
@@ -345,12 +349,13 @@ class DraftProposer:
         last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
         for j in range(int(plan.k.max())):
             active_np = np.nonzero(plan.k > j)[0]  # [a] rows that draft position j
-            fed = int(active_np[-1]) + 1
-            active = torch.from_numpy(active_np).to(self.device)
+            fed_np = self._fed_rows(active_np)  # [f] rows this forward feeds, active among them
+            active, fed = (torch.from_numpy(rows_np).to(self.device) for rows_np in (active_np, fed_np))
             if j > 0:
-                tokens = drafts[:fed, j - 1].unsqueeze(1)  # [fed, 1]
+                tokens = drafts[fed, j - 1].unsqueeze(1)  # [f, 1]
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
-                logits = self._vocab_aligned(self._forward(tokens, positions[:fed], last[:fed])[active])  # [a, vocab]
+                logits = self._forward(tokens, positions[fed], last[fed], fed if self.feeds_drafting_rows else None)
+                logits = self._vocab_aligned(logits if self.feeds_drafting_rows else logits[active])  # [a, vocab]
             with self.profile.phase("sampling"):
                 if q is None:  # every row greedy: the argmax is the draft, no distribution needed
                     token = logits.argmax(-1)  # [a]
@@ -360,19 +365,30 @@ class DraftProposer:
                                         sample_from(probs, [generators[r] for r in active_np]))
                     q[active, j] = probs
                 drafts[active, j] = token
-            positions[:fed] += last[:fed] + 1
-            last[:fed] = 0  # after the first forward every row feeds one token
+            positions[fed] += last[fed] + 1
+            last[fed] = 0  # after the first forward every row feeds one token
             self._forwards += 1
-            self._row_forwards += fed
+            self._row_forwards += len(fed_np)
         return drafts, q
 
-    def _forward(self, tokens: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Feed tokens [B, T] to cache rows 0..B-1 from positions first [B]; the logits [B, V] after
-        position last [B] of each row. Compiled, as T one-token steps: step t feeds each row's token
-        min(t, last), so a row with fewer tokens feeds its last one again, at the same position (the same
-        keys and values), and the final step's logits are every row's own."""
+    @property
+    def feeds_drafting_rows(self) -> bool:
+        """Whether draft forwards feed only the rows that draft: the native forward reads named cache rows
+        in place, where the eager one would copy them and the compiled decode reads rows 0..B-1."""
+        return self.decode is None and self.model is not None and self.model.native
+
+    def _fed_rows(self, drafting: np.ndarray) -> np.ndarray:
+        """The rows a draft forward feeds for these drafting rows (ascending, not empty), see `_draft`."""
+        return drafting if self.feeds_drafting_rows else np.arange(int(drafting[-1]) + 1)
+
+    def _forward(self, tokens: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed tokens [B, T] to cache rows 0..B-1 (or those named by rows [B]) from positions first [B];
+        the logits [B, V] after position last [B] of each row. Compiled (rows 0..B-1 only), as T one-token
+        steps: step t feeds each row's token min(t, last), so a row with fewer tokens feeds its last one
+        again, at the same position (the same keys and values), and the final step's logits are every row's own."""
         if self.decode is None:
-            return self.model.forward(tokens, first, last)
+            return self.model.forward(tokens, first, last, rows=rows)
         for t in range(tokens.shape[1]):
             column = last.clamp_max(t)  # [B]
             logits = self.decode(tokens.gather(1, column.unsqueeze(1)), first + column)

@@ -14,10 +14,12 @@ Vocabulary:
   while the hardware is bound by weight traffic, then rising), per_draft_token what one more draft
   token costs besides (the target attends over the request's context for it and computes its logits;
   the engine schedules it and processes its outcome), and
-  per_draft_forward one more batched draft forward. The draft runs max(K_i) forwards, and each feeds
-  every row up to the last one still drafting (rows before it that have stopped feed scratch, so that
-  the forward reads the cache as a view): so a forward is costed as feeding the whole batch, and one
-  long draft in a batch of short ones pays for its extra forwards over every row.
+  per_draft_forward one more batched draft forward. The draft runs max(K_i) forwards. Where they feed
+  only the rows still drafting (the native forward), a row fed is a cost per draft token and a forward's
+  fixed cost is per_draft_forward; elsewhere each feeds every row up to the last one still drafting
+  (rows before it that have stopped feed scratch, so that the forward reads the cache as a view), so a
+  forward is costed as feeding the whole batch, and one long draft in a batch of short ones pays for
+  its extra forwards over every row.
 - goodput: sum(E_i(K_i)) / step time, in tokens per second. `choose_draft_lengths` maximises it.
 
 Losslessness does not depend on any of this: K is chosen from past acceptance and measured costs only,
@@ -432,6 +434,7 @@ class SpeculationPolicy:
         self.steps_without_drafts = 0
         self.probes = 0
         self.forced_k: int | None = None  # every request drafts this many, whatever the mode (`force_k`)
+        self.feeds_drafting_rows = False  # whether draft forwards feed only the rows still drafting (the proposer's)
 
     def calibrate_target(self, forward_seconds: dict[int, float]) -> None:
         """Target forward times by scheduled tokens ({1: s, 32: s, ...}): the shape of the forward's cost."""
@@ -513,7 +516,10 @@ class SpeculationPolicy:
         overhead, draft_drafting, per_forward, per_row_forward = self.draft.coefficients(requests)
         engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients(requests)
         plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
-        rows_fed = min(requests, self.acceptance.rows)  # each draft forward feeds the batch's rows (see above)
+        if self.feeds_drafting_rows:  # a row fed per draft token (see above)
+            per_draft_forward, per_row_token = per_forward, per_row_forward
+        else:  # each draft forward feeds the batch's rows
+            per_draft_forward, per_row_token = per_forward + per_row_forward * min(requests, self.acceptance.rows), 0.0
 
         def verify_extra(d: np.ndarray) -> np.ndarray:
             return verify_scale * (self.forward_time(requests + np.asarray(d, dtype=float)) - plain_forward)
@@ -521,8 +527,8 @@ class SpeculationPolicy:
         costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead
                           + engine_step + engine_per_request * requests,
                           drafting=drafting + draft_drafting,
-                          per_draft_token=engine_per_draft_token + target_per_draft_token,
-                          per_draft_forward=per_forward + per_row_forward * rows_fed, verify_extra=verify_extra)
+                          per_draft_token=engine_per_draft_token + target_per_draft_token + per_row_token,
+                          per_draft_forward=per_draft_forward, verify_extra=verify_extra)
         return replace(costs, **self.forced)
 
     def choose(self, candidates: np.ndarray, requests: int, pinned: np.ndarray | None = None) -> np.ndarray:

@@ -100,6 +100,11 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
         n = np.array([len(sequences[r]) for r in batch.req_ids] + [0] * (SLOTS - len(batch.req_ids)))
         drafts = proposer.propose([[1]] * len(batch.req_ids), n, batch.token_ids)
         q = proposer.runner._draft_probs
+        live = chosen[: len(batch.req_ids)]
+        if forward == "native" and live.any():  # forwards feed the drafting rows alone: a row fed per draft
+            assert proposer._row_forwards == live.sum()
+        elif live.any():  # forward j feeds rows 0..(the last with K > j)
+            assert proposer._row_forwards == sum(np.nonzero(live > j)[0][-1] + 1 for j in range(live.max()))
         for row, req in enumerate(batch.req_ids):
             assert len(drafts[row]) == chosen[row]
             if chosen[row]:

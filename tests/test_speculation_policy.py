@@ -290,6 +290,20 @@ def test_a_draft_forward_is_costed_over_every_row_of_the_batch():
     assert k[0] >= k[1:].max()
 
 
+def test_where_draft_forwards_feed_only_drafting_rows_a_row_fed_is_a_draft_tokens_cost():
+    """The native forward feeds only the rows still drafting (the proposer's `feeds_drafting_rows`): each
+    draft token is one row fed, so the row's cost moves from every forward to every draft token, and a
+    short draft beside a long one saves draft time too."""
+    policy = SpeculationPolicy("adaptive", max_k=4, rows=64)
+    policy.calibrate_draft({1: 0.0006, 16: 0.0021})  # 0.5 ms a forward, plus 0.1 ms a row
+    policy.feeds_drafting_rows = True
+    costs = policy.costs(16)
+    assert costs.per_draft_forward == pytest.approx(0.0005)
+    assert costs.per_draft_token == pytest.approx(0.0001)
+    assert costs.step_time(np.array([4] + [1] * 15)) - costs.step_time(np.array([1] * 16)) == pytest.approx(
+        3 * 0.0005 + 3 * 0.0001 + float(costs.verify_extra(np.array([19.0]))[0] - costs.verify_extra(np.array([16.0]))[0]))
+
+
 def test_the_engines_time_between_steps_is_a_step_cost():
     """The scheduler and the output processing run once per step and handle every draft token: a fixed
     engine cost per step is what drafting amortises (longer drafts), a cost per draft token is what it
