@@ -71,6 +71,7 @@ def speculative_engine_kwargs(
     per_request_metrics: str = "summary",
     k_policy: str = "adaptive",
     request_speed_floor: float | None = DEFAULT_SPEED_FLOOR,
+    k_max_unless_sure: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments that turn the exact speculator on, for `vllm.LLM(...)`, `AsyncEngineArgs`
     and Ray Serve LLM's `engine_kwargs`.
@@ -85,6 +86,9 @@ def speculative_engine_kwargs(
         plain). 0.8 by default: the step's goodput alone is paid for by a request the draft predicts
         badly, since its step is as long as the others' drafts make it, and such requests are the
         slowest (P95); None maximises the step's goodput alone.
+    k_max_unless_sure: with the adaptive policy, every request drafts K_max unless the choice is expected
+        to beat that by more than the step-cost model's own recent error on a step's time (default); False
+        takes the model's best choice however small its expected gain.
     target_model: when given, the vocabulary check runs here, before any engine starts; the engine
         checks again at start-up either way.
     max_draft_rows / max_draft_len: bound the draft's KV cache (rows = concurrent requests drafted
@@ -113,6 +117,8 @@ def speculative_engine_kwargs(
     if k_policy not in POLICIES:
         raise ValueError(f"k_policy must be one of {POLICIES}, not {k_policy!r}")
     check_speed_floor(request_speed_floor)
+    if not isinstance(k_max_unless_sure, bool):
+        raise ValueError(f"k_max_unless_sure must be true or false, not {k_max_unless_sure!r}")
     if target_model is not None:
         check_shared_vocabulary(target_model, draft_model)
     options = {
@@ -127,6 +133,7 @@ def speculative_engine_kwargs(
         "native_draft": native_draft,
         "k_policy": k_policy,
         "request_speed_floor": request_speed_floor,
+        "k_max_unless_sure": k_max_unless_sure,
     }
     return {
         "speculative_config": {

@@ -107,7 +107,8 @@ class DraftProposer:
         check_switch("native_draft", self.native)
         self._fault_rng = random.Random(0)
         self.policy = SpeculationPolicy(options.get("k_policy") or "adaptive", self.k, self.max_rows,
-                                        options.get("request_speed_floor", DEFAULT_SPEED_FLOOR))
+                                        options.get("request_speed_floor", DEFAULT_SPEED_FLOOR),
+                                        k_max_unless_sure=options.get("k_max_unless_sure", True))
 
         self.model: Optional[DraftModel] = None
         self.runner = None

@@ -250,12 +250,24 @@ class OnlineLinearCost:
         self.xty = np.zeros(len(names))
         self.observations = 0
         self._solved: tuple[int, object, np.ndarray] | None = None  # (observations, parent's solve, coefficients)
+        # Decaying sums of each observation's squared error, as the fit predicted it just before, and of its
+        # squared seconds: `relative_error`.
+        self.squared_error = self.squared_seconds = 0.0
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
         x = np.asarray(features, dtype=float)
+        if self.observations:
+            error = seconds - float(x @ self.coefficients())
+            self.squared_error = self.decay * self.squared_error + error * error
+            self.squared_seconds = self.decay * self.squared_seconds + seconds * seconds
         self.xtx = self.decay * self.xtx + np.outer(x, x)
         self.xty = self.decay * self.xty + x * seconds
         self.observations += 1
+
+    def relative_error(self) -> float:
+        """The fit's recent error on the next observation, as a share of its seconds (root mean square; 0
+        before any was predicted)."""
+        return float(np.sqrt(self.squared_error / self.squared_seconds)) if self.squared_seconds > 0 else 0.0
 
     def age(self, steps: int) -> None:
         """Forget as if this many steps had passed unseen (a part's fit, for the steps other parts saw)."""
@@ -286,7 +298,8 @@ class OnlineLinearCost:
     def summary(self) -> dict:
         """Coefficients (milliseconds, or a plain factor for a `*_scale` feature) and the observations seen."""
         return {name: round(float(c) * (1 if name.endswith("scale") else 1e3), 4)
-                for name, c in zip(self.names, self.coefficients())} | {"observations": self.observations}
+                for name, c in zip(self.names, self.coefficients())} | {
+                    "observations": self.observations, "relative_error": round(self.relative_error(), 4)}
 
 
 def batch_band(requests: int) -> int:
@@ -344,6 +357,11 @@ class BandedCost:
         if self.all.observations - self._seen[band] >= OnlineLinearCost.RESOLVE_EVERY:  # a band left behind fades
             self._catch_up(band)
         return self.bands[band].coefficients()
+
+    def relative_error(self, requests: int) -> float:
+        """`OnlineLinearCost.relative_error` of the fit that costs a batch of this many requests."""
+        fit = self.bands.get(batch_band(requests), self.all)
+        return fit.relative_error() if fit.observations > 1 else self.all.relative_error()
 
     def summary(self) -> dict:
         """The fit of all steps, and each band's (keyed by its batch sizes)."""
@@ -412,11 +430,13 @@ class SpeculationPolicy:
     DRAFT_FEATURES = ("overhead", "drafting", "per_forward", "per_row_forward")
     ENGINE_FEATURES = ("step", "per_request", "per_draft_token")
 
-    def __init__(self, mode: str, max_k: int, rows: int, speed_floor: float | None = None):
+    def __init__(self, mode: str, max_k: int, rows: int, speed_floor: float | None = None,
+                 k_max_unless_sure: bool = False):
         if mode not in POLICIES:
             raise ValueError(f"k_policy must be one of {POLICIES}, not {mode!r}")
         check_speed_floor(speed_floor)
         self.mode, self.max_k, self.speed_floor = mode, max_k, speed_floor
+        self.k_max_unless_sure = k_max_unless_sure  # `_max_unless_sure`
         self.acceptance = AcceptanceTracker(max_k, rows)
         # The target forward's seconds by tokens, piecewise linear between calibrated points; before any
         # calibration, 1 ms per token with a free scale.
@@ -544,8 +564,9 @@ class SpeculationPolicy:
         elif self.mode == "fixed":
             k[eligible] = self.max_k
         elif self.mode == "adaptive" and len(eligible):
-            acceptance = self.acceptance.estimate(len(candidates))[eligible]
-            k[eligible] = choose_draft_lengths(acceptance, self.costs(requests), self.max_k, self.speed_floor)
+            acceptance, costs = self.acceptance.estimate(len(candidates))[eligible], self.costs(requests)
+            chosen = choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
+            k[eligible] = self._max_unless_sure(acceptance, costs, chosen, requests)
             if k.any():
                 self.steps_without_drafts = 0
             elif self.steps_without_drafts >= self.PROBE_INTERVAL and not self.forced:
@@ -557,6 +578,23 @@ class SpeculationPolicy:
             k[candidates & pinned] = self.max_k
         self.histogram += np.bincount(k[eligible], minlength=self.max_k + 1)
         return k
+
+    def _max_unless_sure(self, acceptance: np.ndarray, costs: StepCosts, k: np.ndarray, requests: int) -> np.ndarray:
+        """K_max for every row instead of the choice k [n] unless the model expects k to beat it by more
+        than the model's own recent error on a step's time (the target fit's, most of a step and most of its
+        variance): a gain smaller than that error is not one the model can see, and on this machine the
+        drafts it cut for such gains bought no measurable step time (README, seventeenth session). Not while
+        costs are pinned (the model is then exact by decree), nor where K_max for all breaks the speed
+        floor."""
+        margin = self.target.relative_error(requests) if self.k_max_unless_sure and not self.forced else 0.0
+        full = np.full(len(k), self.max_k)
+        if margin <= 0 or (k == full).all():
+            return k
+        tokens, time = expected_tokens(acceptance, full), costs.step_time(full)
+        if self.speed_floor is not None and len(k) > 1 and not (tokens * costs.base / self.speed_floor >= time).all():
+            return k
+        chosen_rate = expected_tokens(acceptance, k).sum() / costs.step_time(k)
+        return full if tokens.sum() / time * (1 + margin) >= chosen_rate else k
 
     def cost_ratio(self) -> float | None:
         """The seeds' c at batch 1: the target's decode step (the step without drafts, less the draft's
@@ -574,6 +612,7 @@ class SpeculationPolicy:
         return {
             "k_policy": self.mode,
             "request_speed_floor": self.speed_floor,
+            "k_max_unless_sure": self.k_max_unless_sure,
             "chosen_k_histogram": self.histogram.tolist(),
             "probes": self.probes,
             "forced_k": self.forced_k,

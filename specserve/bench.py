@@ -44,6 +44,7 @@ def configurations(k: int, profile: bool = False, target: str = DEMO_TARGET, dra
         "specserve-fixed": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="fixed"),
         "specserve-off": engine_kwargs(True, k, **pair, profile_steps=profile, k_policy="off"),
         "specserve-nofloor": engine_kwargs(True, k, **pair, profile_steps=profile, request_speed_floor=None),
+        "specserve-anygain": engine_kwargs(True, k, **pair, profile_steps=profile, k_max_unless_sure=False),
         "specserve-compiled": engine_kwargs(True, k, **pair, profile_steps=profile, compile_draft="on"),
         "specserve-eager": engine_kwargs(True, k, **pair, profile_steps=profile, native_draft="off"),
         "specserve-f32cache": engine_kwargs(True, k, **pair, profile_steps=profile, draft_cache_dtype="float32"),

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=0,
                    help="requests per (batch size, temperature) point (default: max(16, 3 x batch size))")
     p.add_argument("--configs", help="comma-separated subset of plain, specserve (adaptive K), specserve-fixed, "
-                   "specserve-off (K = 0 always), specserve-nofloor (adaptive, no request speed floor), specserve-compiled, specserve-eager (no native draft forward), vllm-draft_model, vllm-ngram, each optionally "
+                   "specserve-off (K = 0 always), specserve-nofloor (adaptive, no request speed floor), specserve-anygain (adaptive, acting on any modelled gain over K_max), specserve-compiled, specserve-eager (no native draft forward), vllm-draft_model, vllm-ngram, each optionally "
                    "with its own K (specserve-fixed:3) (default: plain, specserve, specserve-fixed, "
                    "vllm-draft_model, vllm-ngram)")
     p.add_argument("--profile", action="store_true", help="time each phase of specserve's draft step")
