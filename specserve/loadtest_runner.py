@@ -137,7 +137,8 @@ def main(args) -> int:
     if not is_ready(args.host):
         log(f"nothing answers at {args.host}; starting serve run {args.config}")
         server = ServeProcess(args.config, out / "serve.log", args.host)
-        log(f"ready in {server.wait_ready():.0f} s")
+        # Five engines of configs/k-sweep.yaml starting on two cores took over 400 s on a slow day.
+        log(f"ready in {server.wait_ready(timeout_s=1200):.0f} s")
     memory, engine, spec_stats, title_models = {}, {}, {}, args.speculative_model
     try:
         targets = plan_targets(args)
