@@ -590,11 +590,13 @@ class SpeculationPolicy:
         full = np.full(len(k), self.max_k)
         if margin <= 0 or (k == full).all():
             return k
-        tokens, time = expected_tokens(acceptance, full), costs.step_time(full)
-        if self.speed_floor is not None and len(k) > 1 and not (tokens * costs.base / self.speed_floor >= time).all():
+        by_count = _tokens_by_count(np.cumprod(np.clip(acceptance, 0.0, 1.0), axis=1))  # as the search counts them
+        time = costs.step_time(full)
+        if self.speed_floor is not None and len(k) > 1 and not _keeps_floor(by_count, full, time, costs.base / self.speed_floor):
             return k
-        chosen_rate = expected_tokens(acceptance, k).sum() / costs.step_time(k)
-        return full if tokens.sum() / time * (1 + margin) >= chosen_rate else k
+        rows = np.arange(len(k))
+        chosen_rate = by_count[rows, k].sum() / costs.step_time(k)
+        return full if by_count[rows, full].sum() / time * (1 + margin) >= chosen_rate else k
 
     def cost_ratio(self) -> float | None:
         """The seeds' c at batch 1: the target's decode step (the step without drafts, less the draft's
