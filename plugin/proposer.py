@@ -425,8 +425,9 @@ class DraftProposer:
         drafts_np = drafts.cpu().numpy()
         rows = np.nonzero(plan.drafting)[0]
         k = plan.k[rows]
-        paused = np.nonzero(~plan.drafting)[0]  # their drafts' cache entries may hold scratch now
-        self.valid[paused] = self.verified[paused]
+        if not self.feeds_drafting_rows:  # rows that did not draft fed scratch over their drafts' entries
+            paused = np.nonzero(~plan.drafting)[0]
+            self.valid[paused] = self.verified[paused]
         self.verified[rows] = plan.end[rows]
         self.valid[rows] = plan.end[rows] + k - 1
         self.drafted[rows] = drafts_np[rows, : self.k - 1]
