@@ -441,6 +441,7 @@ class SpeculationPolicy:
         # The target forward's seconds by tokens, piecewise linear between calibrated points; before any
         # calibration, 1 ms per token with a free scale.
         self.curve_tokens, self.curve_seconds = np.array([0.0, 1.0]), np.array([0.0, 1e-3])
+        self._tabulate_forward()
         # "drafting" is held to its prior (0) more firmly than the step's constant: under load nearly every
         # step drafts, the two are all but collinear, and an even ridge split the step's fixed time between
         # them (18.8 and 18.1 ms at concurrency 32 in serving), so a step without drafts looked 18 ms cheaper
@@ -463,11 +464,26 @@ class SpeculationPolicy:
         seconds = np.array([forward_seconds[n] for n in sorted(forward_seconds)])
         # Never decreasing in tokens: a point above a later one is timing noise, so it takes the later value.
         self.curve_tokens, self.curve_seconds = tokens, np.minimum.accumulate(seconds[::-1])[::-1]
-        self.target.scale[2:4] = float(self.forward_time(np.array([32.0]))[0])
+        self._tabulate_forward()
+        self.target.scale[2:4] = float(self.forward_time(np.array([32]))[0])
         self.target.set_prior(self.TARGET_PRIOR)
+
+    def _tabulate_forward(self) -> None:
+        """The curve at every whole token count a decode step can schedule (each row one token and K_max
+        drafts): every step reads it several times (the choice, its K_max check, the target's fit), and
+        one table read costs a few microseconds where interpolating costs about fifteen."""
+        counts = np.arange(self.acceptance.rows * (self.max_k + 1) + 1)
+        self._forward_table = self._interpolated_forward_time(counts.astype(float))
 
     def forward_time(self, tokens: np.ndarray) -> np.ndarray:
         """Calibrated target forward seconds for [m] token counts, extrapolated along the last segment."""
+        tokens = np.asarray(tokens)
+        if (tokens.dtype.kind in "iu" and tokens.size and tokens.min() >= 0
+                and tokens.max() < len(self._forward_table)):
+            return self._forward_table[tokens]
+        return self._interpolated_forward_time(tokens)
+
+    def _interpolated_forward_time(self, tokens: np.ndarray) -> np.ndarray:
         t, y = self.curve_tokens, self.curve_seconds
         slope = (y[-1] - y[-2]) / max(t[-1] - t[-2], 1e-9)
         return np.where(tokens > t[-1], y[-1] + slope * (tokens - t[-1]), np.interp(tokens, t, y))
@@ -483,7 +499,7 @@ class SpeculationPolicy:
         """One decode step of the target: requests in the batch, tokens scheduled (one per request plus
         the drafts), whether any drafted. Steps that prefill are left out by the caller: a prompt's
         attention cost is not what the policy decides about."""
-        plain, forward = self.forward_time(np.array([float(requests), float(max(tokens, requests))]))
+        plain, forward = self.forward_time(np.array([requests, max(tokens, requests)]))
         drafts = float(max(tokens - requests, 0))
         self.target.observe(requests, np.array([1.0, requests, plain, forward - plain, float(drafted), drafts]), seconds)
 
@@ -535,14 +551,14 @@ class SpeculationPolicy:
         step, per_request, plain_scale, verify_scale, drafting, target_per_draft_token = self.target.coefficients(requests)
         overhead, draft_drafting, per_forward, per_row_forward = self.draft.coefficients(requests)
         engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients(requests)
-        plain_forward = float(self.forward_time(np.array([float(requests)]))[0])
+        plain_forward = float(self.forward_time(np.array([requests]))[0])
         if self.feeds_drafting_rows:  # a row fed per draft token (see above)
             per_draft_forward, per_row_token = per_forward, per_row_forward
         else:  # each draft forward feeds the batch's rows
             per_draft_forward, per_row_token = per_forward + per_row_forward * min(requests, self.acceptance.rows), 0.0
 
         def verify_extra(d: np.ndarray) -> np.ndarray:
-            return verify_scale * (self.forward_time(requests + np.asarray(d, dtype=float)) - plain_forward)
+            return verify_scale * (self.forward_time(requests + np.asarray(d)) - plain_forward)
 
         costs = StepCosts(base=step + per_request * requests + plain_scale * plain_forward + overhead
                           + engine_step + engine_per_request * requests,
