@@ -85,7 +85,7 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     best_k, best_rate = np.zeros(n, dtype=np.int64), n / costs.base if costs.base > 0 else 0.0
     if n == 0 or max_k == 0:
         return best_k
-    gains = np.cumprod(np.clip(acceptance[:, :max_k], 0.0, 1.0), axis=1)  # [n, max_k]
+    gains = _gains(acceptance[:, :max_k])  # [n, max_k]
     position = np.broadcast_to(np.arange(max_k), gains.shape).ravel()
     order = np.lexsort((position, -gains.ravel()))  # largest gain first; earlier position on ties
     rows_sorted, pos_sorted, gain_sorted = order // max_k, position[order], gains.ravel()[order]  # [n * max_k]
@@ -117,6 +117,11 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     if rate[m, pick] > best_rate * (1 + 1e-9):
         best_k = k
     return best_k
+
+
+def _gains(acceptance: np.ndarray) -> np.ndarray:
+    """Each row's gain per position, [n, m] for acceptance [n, m]: the product of its acceptances so far."""
+    return np.cumprod(np.clip(acceptance, 0.0, 1.0), axis=1)
 
 
 def _tokens_by_count(gains: np.ndarray) -> np.ndarray:
@@ -606,7 +611,7 @@ class SpeculationPolicy:
         full = np.full(len(k), self.max_k)
         if margin <= 0 or (k == full).all():
             return k
-        by_count = _tokens_by_count(np.cumprod(np.clip(acceptance, 0.0, 1.0), axis=1))  # as the search counts them
+        by_count = _tokens_by_count(_gains(acceptance))
         time = costs.step_time(full)
         if self.speed_floor is not None and len(k) > 1 and not _keeps_floor(by_count, full, time, costs.base / self.speed_floor):
             return k

@@ -395,12 +395,22 @@ def test_the_model_curve_is_the_step_model_at_each_fixed_k():
 def test_whole_token_counts_read_the_forward_curve_from_a_table_with_the_interpolated_values():
     policy = SpeculationPolicy("adaptive", max_k=4, rows=8)  # a table of 0..8 * 5 tokens
     policy.calibrate_target({1: 0.006, 8: 0.007, 32: 0.012})
-    counts = np.arange(0, 61)  # past the table's end (40) and the last calibrated point (32)
     assert len(policy._forward_table) == 41
-    np.testing.assert_array_equal(policy.forward_time(counts), policy.forward_time(counts.astype(float)))
-    assert policy.forward_time(np.array([60]))[0] == pytest.approx(0.012 + 28 * 0.005 / 24)  # extrapolated
-    assert policy.forward_time(np.array([-1.0]))[0] == pytest.approx(0.006)  # no table index wraps round
-    assert policy.forward_time(np.array([-1]))[0] == pytest.approx(0.006)
+    counts = np.arange(0, 41)  # the table's, past the last calibrated point (32)
+    interpolated = policy.forward_time(counts.astype(float))
+    np.testing.assert_array_equal(policy._forward_table, interpolated)
+    assert policy.forward_time(np.array([40]))[0] == pytest.approx(0.012 + 8 * 0.005 / 24)  # extrapolated
+    np.testing.assert_array_equal(policy.forward_time(np.array([60, 0])), policy.forward_time(np.array([60.0, 0.0])))
+    assert policy.forward_time(np.array([60]))[0] == pytest.approx(0.012 + 28 * 0.005 / 24)  # past the table
+    assert policy.forward_time(np.array([-1.0]))[0] == pytest.approx(0.006)
+    assert policy.forward_time(np.array([-1]))[0] == pytest.approx(0.006)  # no table index wraps round
+    def no_interpolation(tokens):
+        raise AssertionError("whole counts within the table must not interpolate")
+    policy._interpolated_forward_time = no_interpolation
+    np.testing.assert_array_equal(policy.forward_time(counts), interpolated)
+    np.testing.assert_array_equal(policy.forward_time(np.array([7, 3])), interpolated[[7, 3]])
+    with pytest.raises(AssertionError):
+        policy.forward_time(np.array([41]))  # past the table: interpolated
 
 
 def test_a_step_constant_the_data_cannot_split_stays_with_the_step_not_with_drafting():
