@@ -137,9 +137,11 @@ class DraftModel:
             return f"the native forward keeps its cache in float32 or bfloat16, not {self.cache_dtype}"
         return None
 
-    def use_native(self) -> float:
+    def use_native(self, bfloat16_gemm: str = "auto") -> float:
         """Run `forward` as one native call from now on; the seconds its build or load took. Raises
-        ValueError where it does not apply, and whatever the build raises."""
+        ValueError where it does not apply, and whatever the build raises. bfloat16_gemm: whether products
+        of many rows multiply in bfloat16 ("auto": where that is faster than float32 on this processor,
+        `native_draft.bfloat16_gemm_pays`; "on"; "off")."""
         from plugin import native_draft
 
         reason = self.native_unsupported()
@@ -152,8 +154,11 @@ class DraftModel:
                              layer["up"], layer["down"])]
         products = [layer[name] for layer in self.layers for name in ("qkv", "o", "up", "down")] + [self.lm_head]
         # The native code reads the norms' weights as dense blocks (no-ops for a loaded checkpoint).
+        narrow, wide = native_draft.bfloat16_products(products)
+        if wide and (bfloat16_gemm == "off" or bfloat16_gemm == "auto" and not native_draft.bfloat16_gemm_pays(self.lm_head)):
+            wide = []
         self._native = (native_draft.forward_op(), [w.contiguous() for w in weights], self.final_norm.contiguous(),
-                        *native_draft.bfloat16_products(products))
+                        narrow, wide)
         return seconds
 
     @property
@@ -165,6 +170,11 @@ class DraftModel:
         """Whether the native forward's narrow feeds multiply by bfloat16 copies of the weights (only where
         the weights are exactly bfloat16 values: `plugin.native_draft.bfloat16_products`)."""
         return self._native is not None and bool(self._native[3])
+
+    @property
+    def native_wide(self) -> bool:
+        """Whether the native forward's products of many rows multiply in bfloat16 (`use_native`)."""
+        return self._native is not None and bool(self._native[4])
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights, position tables, KV cache."""

@@ -367,13 +367,17 @@ at::Tensor forward_with_cache(const at::Tensor& tokens, const at::Tensor& start,
   const int64_t layer_stride = k_cache.stride(0), row_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
 
   const int64_t num_layers = static_cast<int64_t>(layers.size()) / kPerLayer;
-  TORCH_CHECK(narrow.size() == wide.size() && (narrow.empty() || static_cast<int64_t>(narrow.size()) == 4 * num_layers + 1),
-              "specserve native draft: 4 bfloat16 products a layer and the LM head, both ways, or none");
+  const auto all_or_none = [&](const std::vector<at::Tensor>& v) {
+    return v.empty() || static_cast<int64_t>(v.size()) == 4 * num_layers + 1;
+  };
+  TORCH_CHECK(all_or_none(narrow) && all_or_none(wide),
+              "specserve native draft: 4 bfloat16 products a layer and the LM head, each way, or none");
   bool selected = false;  // whether the stream holds only each row's last fed token (the last layer's)
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layers.data() + layer * kPerLayer;
     rms_norm(x_p, w[0].data_ptr<float>(), h.data_ptr<float>(), n, d, eps);
-    // narrow and wide are both given or both empty: given where the weights are exactly bfloat16 values.
+    // narrow and wide are each given or empty: given where the weights are exactly bfloat16 values (wide only
+    // where bfloat16 products pay on this processor, `plugin/native_draft.py`).
     const auto by = [&](int product) {  // 0..3: qkv, o, up, down, for the n rows the stream holds now
       return Weights16{!narrow.empty() && n <= kNarrowRows ? &narrow[layer * 4 + product] : nullptr,
                        !wide.empty() && n >= kWideRows ? &wide[layer * 4 + product] : nullptr};

@@ -153,7 +153,8 @@ class DraftProposer:
         if reason is None:
             try:
                 seconds = self.model.use_native()
-                logger.info("specserve draft forward: native (built or loaded in %.1f s)", seconds)
+                logger.info("specserve draft forward: native (built or loaded in %.1f s); products of many rows in %s",
+                            seconds, "bfloat16" if self.model.native_wide else "float32")
                 return
             except Exception as exc:  # noqa: BLE001 - a build can fail in many ways: eager is always there
                 reason, failed = f"{type(exc).__name__}: {str(exc)[:500]}", True

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SPECSERVE_BUILD=gpu SPECSERVE_TARGET="${TARGET:?set TARGET to the target model}" SPECSERVE_DRAFT="${DRAFT:?set DRAFT to the draft model}"
-export SPECSERVE_ENGINE_KWARGS="${SPECSERVE_ENGINE_KWARGS:-{\"gpu_memory_utilization\": 0.4, \"kv_cache_memory_bytes\": null, \"enforce_eager\": false, \"max_model_len\": 2048, \"enable_chunked_prefill\": true}}"
+export SPECSERVE_ENGINE_KWARGS="${SPECSERVE_ENGINE_KWARGS:-{\"gpu_memory_utilization\": 0.4, \"kv_cache_memory_bytes\": null, \"dtype\": \"auto\", \"enforce_eager\": false, \"max_model_len\": 2048, \"enable_chunked_prefill\": true}}"
 ./scripts/setup.sh
 mkdir -p out
 .venv/bin/python -m pytest tests/test_gpu.py tests/test_engine.py -k "gpu or cuda or greedy_text or sampling_distribution" -ra

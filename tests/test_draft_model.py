@@ -188,7 +188,8 @@ def test_native_products_of_many_rows_multiply_in_bfloat16_near_float32():
     prefix = torch.randint(0, eager.vocab_size, (20, 100), generator=gen)
     for model in (eager, native):
         model.forward(prefix, torch.zeros(20, dtype=torch.long), None)
-    native.use_native()
+    native.use_native("on")  # whether or not they pay on this processor
+    assert native.native_wide
     agree = rows = 0
     for batch, width in [(16, 1), (20, 1), (17, 2), (2, 64), (4, 40)]:  # LM heads of 16-20 rows; 128 and 160 fed
         tokens = torch.randint(0, eager.vocab_size, (batch, width), generator=gen)
@@ -202,3 +203,32 @@ def test_native_products_of_many_rows_multiply_in_bfloat16_near_float32():
         torch.testing.assert_close(native.k_cache, eager.k_cache, atol=float(scale) * 2**-7, rtol=0)
         torch.testing.assert_close(native.v_cache, eager.v_cache, atol=float(eager.v_cache.abs().max()) * 2**-7, rtol=0)
     assert agree >= rows * 15 / 16
+
+
+def test_products_of_many_rows_stay_float32_where_bfloat16_does_not_pay(monkeypatch):
+    """bfloat16_gemm: "auto" multiplies the wide products in bfloat16 exactly where `bfloat16_gemm_pays`
+    says so (emulated bfloat16 took 2-6 times float32's time on an AVX2-only processor here); "off" never.
+    Without them the native forward of 16 rows and of a 128-token rebuild equals the eager float32 one
+    (1e-4 relative), with its narrow feeds still on the bfloat16 copies. The timing itself answers a bool
+    for the shipped draft's LM head."""
+    from deployment.defaults import DEMO_DRAFT
+    from plugin import native_draft
+
+    eager = DraftModel(DEMO_DRAFT, max_rows=16, max_len=200)
+    assert isinstance(native_draft.bfloat16_gemm_pays(eager.lm_head, repeats=2), bool)
+    for pays in (True, False):
+        monkeypatch.setattr(native_draft, "bfloat16_gemm_pays", lambda weight, pays=pays: pays)
+        auto = DraftModel(DEMO_DRAFT, max_rows=16, max_len=200)
+        auto.use_native()
+        assert auto.native_wide == pays and auto.native_narrow
+    native = DraftModel(DEMO_DRAFT, max_rows=16, max_len=200)
+    native.use_native("off")
+    assert not native.native_wide and native.native_narrow
+    gen = torch.Generator().manual_seed(9)
+    rebuild = torch.randint(0, eager.vocab_size, (2, 64), generator=gen)  # 128 rows of products, no logits
+    for model in (eager, native):
+        model.forward(rebuild, torch.zeros(2, dtype=torch.long), None, rows=torch.tensor([3, 7]))
+    torch.testing.assert_close(native.k_cache, eager.k_cache, atol=1e-5, rtol=1e-5)
+    tokens = torch.randint(0, eager.vocab_size, (16, 1), generator=gen)
+    start, last = torch.full((16,), 64), torch.zeros(16, dtype=torch.long)
+    torch.testing.assert_close(native.forward(tokens, start, last), eager.forward(tokens, start, last), atol=1e-4, rtol=1e-4)
