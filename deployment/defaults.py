@@ -26,7 +26,6 @@ BASELINE_MODEL_ID = "specserve-baseline"
 DEMO_NUM_SPECULATIVE_TOKENS = 6
 
 
-
 def cpu_model_dtype(cpuinfo: str | None = None) -> str:
     """The embedded default's model dtype on this machine's CPU: "auto" (the demo pair's bfloat16) where the
     processor multiplies bfloat16 natively (x86's AVX512-BF16 or AMX, Arm's BF16 extension) or where

@@ -143,7 +143,9 @@ class DraftModel:
         of many rows multiply in bfloat16 ("auto": where that is faster than float32 on this processor,
         `native_draft.bfloat16_gemm_pays`; "on"; "off")."""
         from plugin import native_draft
+        from plugin.config import check_switch
 
+        check_switch("bfloat16_gemm", bfloat16_gemm)
         reason = self.native_unsupported()
         if reason:
             raise ValueError(reason)

@@ -7,8 +7,8 @@ took 0.46 ms from Python and 0.13 from the native call at batch 1, 1.9 against 0
 one thread). Inside an engine it is bound by memory too: the target's forward before it leaves the
 draft's weights out of cache, so feeds of a few tokens multiply by bfloat16 copies (half the bytes),
 and products of many rows (a prompt rebuilt, the LM head of a batch of 16) multiply in bfloat16
-(`bfloat16_products`) where the processor does that faster than float32 (`bfloat16_gemm_pays`). The engines running several at once build it once: the builder locks its
-directory.
+(`bfloat16_products`) where the processor does that faster than float32 (`bfloat16_gemm_pays`). The
+engines running several at once build it once: the builder locks its directory.
 """
 
 import sys

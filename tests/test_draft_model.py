@@ -222,6 +222,8 @@ def test_products_of_many_rows_stay_float32_where_bfloat16_does_not_pay(monkeypa
         auto.use_native()
         assert auto.native_wide == pays and auto.native_narrow
     native = DraftModel(DEMO_DRAFT, max_rows=16, max_len=200)
+    with pytest.raises(ValueError, match="bfloat16_gemm must be 'auto', 'on' or 'off'"):
+        native.use_native("yes")
     native.use_native("off")
     assert not native.native_wide and native.native_narrow
     gen = torch.Generator().manual_seed(9)
