@@ -71,7 +71,27 @@ DEMO_ENGINE_KWARGS: dict[str, Any] = {
 # to 2.61 GB over a 10-minute soak, in the plain engine as much as ours), while vLLM's own per-layer
 # handlers already keep their 32 latest shapes each. 64 bounds it (a loop of random shapes: +74 MB and
 # flat, against +309 MB and climbing at 1,024). A value in the environment already is kept.
-CPU_ENGINE_ENV: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+#
+# vLLM's CPU worker binds its OpenMP threads to every core but one per worker (VLLM_CPU_OMP_THREADS_BIND
+# "auto"), keeping that core for the engine's scheduler process, which mostly waits on the worker. Where
+# the process may use 3 CPUs or fewer that reservation is a third or more of the machine's compute: on
+# the 2 cores here the target ran on one thread, and plain vLLM decoded 176 tokens/s at batch 16 and 47 at
+# batch 1 where bound to both cores it decoded 291-308 and 55-60 (`cpu_worker_binding`).
+CPU_FEW_CORES = 3
+
+
+def cpu_worker_binding(cpus: set[int] | None = None) -> dict[str, str]:
+    """{"VLLM_CPU_OMP_THREADS_BIND": "0,1"}: the engine's worker bound to every CPU this process may use,
+    where those are CPU_FEW_CORES or fewer; {} where there are more (vLLM's own binding then keeps a core for
+    its scheduler). cpus: the CPU ids (os.sched_getaffinity's when None)."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if not cpus or len(cpus) > CPU_FEW_CORES:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in sorted(cpus))}
+
+
+CPU_ENGINE_ENV: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **cpu_worker_binding()}
 
 
 def cpu_engine_env() -> dict[str, str]:

@@ -77,3 +77,15 @@ def test_the_embedded_default_runs_float32_where_the_cpu_would_emulate_bfloat16(
     assert cpu_model_dtype("") == "auto"
     if "dtype" not in json.loads(os.environ.get("SPECSERVE_ENGINE_KWARGS") or "{}"):  # another machine's settings
         assert DEMO_ENGINE_KWARGS["dtype"] == cpu_model_dtype()
+
+
+def test_on_few_cores_the_engine_worker_takes_them_all():
+    """vLLM keeps one core per worker for its scheduler; on 3 CPUs or fewer the embedded default binds the
+    worker to all of them (the 2 cores here: plain vLLM 176 -> 291-308 tokens/s at batch 16), on more it
+    leaves vLLM's binding alone; the CPU engines' environment carries this machine's answer."""
+    from deployment.defaults import CPU_ENGINE_ENV, cpu_worker_binding
+
+    assert cpu_worker_binding({0, 1}) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    assert cpu_worker_binding({5, 2, 3}) == {"VLLM_CPU_OMP_THREADS_BIND": "2,3,5"}  # the CPUs allowed, in order
+    assert cpu_worker_binding(set(range(4))) == {} and cpu_worker_binding(set()) == {}
+    assert CPU_ENGINE_ENV.items() >= cpu_worker_binding().items()

@@ -450,10 +450,15 @@ def test_embedded_default_comes_from_one_place():
 def test_cpu_engine_environment_keeps_an_operators_value(monkeypatch):
     from deployment.defaults import cpu_engine_env
 
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    assert cpu_engine_env() == CPU_ENGINE_ENV == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    from deployment.defaults import cpu_worker_binding
+
+    for name in CPU_ENGINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_engine_env() == CPU_ENGINE_ENV == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **cpu_worker_binding()}
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
-    assert cpu_engine_env() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert cpu_engine_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+    assert cpu_engine_env().get("VLLM_CPU_OMP_THREADS_BIND", "0") == "0"
 
 
 def test_equal_model_ids_are_refused():
