@@ -344,8 +344,10 @@ class DraftProposer:
             tokens = self._gather_tokens(plan.token_ids, fed_np, first[fed_np], tail[fed_np], drafting[fed_np])
         temperature, top_k, top_p, generators = self._sampling_params(req_ids[:rows])
         greedy = temperature <= 0  # [rows]
+        greedy_drafting = greedy[torch.from_numpy(drafting)]
+        any_greedy = bool(greedy_drafting.any())  # sampled rows then also need the argmax (below)
         drafts = torch.zeros(rows, self.k, dtype=torch.long, device=self.device)
-        q = None if bool(greedy[torch.from_numpy(drafting)].all()) else torch.zeros(
+        q = None if bool(greedy_drafting.all()) else torch.zeros(
             len(req_ids), self.k, self.target_vocab, device=self.device)
         positions = torch.from_numpy(first).to(self.device)  # [rows] where each row's next fed token goes
         last = torch.from_numpy(tail - 1).to(self.device)  # [rows] index of each row's last fed token
@@ -353,6 +355,8 @@ class DraftProposer:
             active_np = np.nonzero(plan.k > j)[0]  # [a] rows that draft position j
             fed_np = self._fed_rows(active_np)  # [f] rows this forward feeds, active among them
             active, fed = (torch.from_numpy(rows_np).to(self.device) for rows_np in (active_np, fed_np))
+            # Rows 0..rows-1 all drafting (most steps) are read and written as a slice, not gathered.
+            at = slice(0, rows) if len(active_np) == rows else active
             if j > 0:
                 tokens = drafts[fed, j - 1].unsqueeze(1)  # [f, 1]
             with self.profile.phase("catch_up" if j == 0 else "draft_forward"):
@@ -362,11 +366,13 @@ class DraftProposer:
                 if q is None:  # every row greedy: the argmax is the draft, no distribution needed
                     token = logits.argmax(-1)  # [a]
                 else:
-                    probs = processed_probs(logits, temperature[active], top_k[active], top_p[active])
-                    token = torch.where(greedy[active], probs.argmax(-1),
-                                        sample_from(probs, [generators[r] for r in active_np]))
-                    q[active, j] = probs
-                drafts[active, j] = token
+                    probs = processed_probs(logits, temperature[at], None if top_k is None else top_k[at],
+                                            None if top_p is None else top_p[at])
+                    token = sample_from(probs, [generators[r] for r in active_np])
+                    if any_greedy:
+                        token = torch.where(greedy[at], probs.argmax(-1), token)
+                    q[at, j] = probs
+                drafts[at, j] = token
             positions[fed] += last[fed] + 1
             last[fed] = 0  # after the first forward every row feeds one token
             self._forwards += 1
@@ -444,7 +450,8 @@ class DraftProposer:
         return out + [[] for _ in range(batch - len(out))]
 
     def _sampling_params(self, req_ids: list[str]):
-        """Per row: temperature, top_k, top_p [rows] on the draft's device, and a generator for each
+        """Per row: temperature, top_k, top_p [rows] on the draft's device (top_k or top_p None where no
+        row filters by it: every draft position would otherwise test that again), and a generator for each
         seeded request (its own reproducible draft stream, derived from the request's seed)."""
         rows = len(req_ids)
         temperature, top_k, top_p, vllm_generators = internals.batch_sampling_params(self.runner, rows)
@@ -455,9 +462,10 @@ class DraftProposer:
                 self.generators[req_id] = torch.Generator(self.device).manual_seed(vllm_gen.initial_seed() ^ 0x5EED)
             generators[row] = self.generators[req_id]
         dev = self.device
+        filters_k = ((top_k > 0) & (top_k < self.target_vocab)).any()  # processed_probs' test, once a step
         return (torch.from_numpy(temperature.astype(np.float32)).to(dev),
-                torch.from_numpy(top_k.astype(np.int64)).to(dev),
-                torch.from_numpy(top_p.astype(np.float32)).to(dev), generators)
+                torch.from_numpy(top_k.astype(np.int64)).to(dev) if filters_k else None,
+                torch.from_numpy(top_p.astype(np.float32)).to(dev) if (top_p < 1).any() else None, generators)
 
     def _vocab_aligned(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary size (checkpoints pad embeddings differently)."""

@@ -142,6 +142,44 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
         assert proposer.decode.failed is None, proposer.decode.failed
 
 
+@pytest.mark.parametrize("rows", [
+    pytest.param([(0.0, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.9)], id="greedy-top_k-top_p"),
+    pytest.param([(0.7, 0, 1.0), (1.0, 0, 1.0)], id="sampled-unfiltered"),
+])
+def test_each_row_drafts_from_its_own_processed_distribution(rows):
+    """Rows of one batch with their own sampling: a greedy row drafts the argmax (q one-hot), a sampled
+    row draws from its q, which is the draft's distribution after its temperature, top-k and top-p; the
+    filters and the argmax are skipped where no row needs them, and nothing else changes."""
+    from plugin.sampling import processed_probs
+
+    rng = np.random.default_rng(1)
+    proposer = make_proposer(native_draft="on", draft_cache_dtype="float32")
+    model = DraftModel(DEMO_DRAFT, max_rows=1, max_len=MAX_LEN)
+    batch = Batch()
+    proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
+    batch.req_ids = [f"r{i}" for i in range(len(rows))]
+    prompts = [list(rng.integers(VOCAB, size=12 + 5 * i)) for i in range(len(rows))]
+    for row, (prompt, (temperature, top_k, top_p)) in enumerate(zip(prompts, rows)):
+        batch.token_ids[row, : len(prompt)] = prompt
+        batch.temperature_cpu[row], batch.top_k_cpu[row], batch.top_p_cpu[row] = temperature, top_k, top_p
+    n = np.array([len(p) for p in prompts] + [0] * (SLOTS - len(rows)))
+    drafts = proposer.propose([[1]] * len(rows), n, batch.token_ids)
+    q = proposer.runner._draft_probs
+    assert q is not None and q.shape == (len(rows), K, VOCAB)
+    for row, (temperature, top_k, top_p) in enumerate(rows):
+        assert len(drafts[row]) == K
+        for j in range(K):
+            tokens = torch.tensor([prompts[row] + drafts[row][:j]])
+            logits = model.forward(tokens, torch.zeros(1, dtype=torch.long), torch.tensor([tokens.shape[1] - 1]))
+            expected = processed_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))[0]
+            torch.testing.assert_close(q[row, j], expected, atol=2e-5, rtol=1e-4)
+            if temperature == 0:
+                assert drafts[row][j] == int(logits.argmax()) and q[row, j, drafts[row][j]] == 1
+            else:
+                assert q[row, j, drafts[row][j]] > 0  # drawn from q: never a token outside its filters
+    assert proposer.stats["failures"] == 0
+
+
 def test_the_draft_cache_is_bfloat16_under_a_float32_draft_on_cpu_unless_asked_otherwise():
     """auto: a float32 draft on CPU keeps its KV cache in bfloat16 (half the bytes its attention reads),
     natively and eagerly alike; a named dtype is kept."""
