@@ -101,6 +101,12 @@ def test_sampling_distribution_of_first_two_tokens_matches_plain(plain_llm, spec
 
 
 def test_mixed_batch_with_seeds(plain_llm, spec_llm):
+    """Seeded rows of a mixed batch reproduce their output, greedy rows equal plain decoding. The other
+    rows' K is forced to 2 (seeded rows still draft K_max): a bfloat16 target's logits move with the
+    batch's shape, as in plain vLLM, and the adaptive K of the unseeded rows, chosen from live timings,
+    changes that shape from one run to the next (2 of 12 seeded outputs moved on a bfloat16 processor
+    here, none under fixed K or in float32). What is ours to keep, each seeded row's random numbers
+    drawn in the same order whatever else is in the batch, is what this checks."""
     prompts = held_out_prompts(8)
     params = [
         greedy(32),
@@ -112,8 +118,12 @@ def test_mixed_batch_with_seeds(plain_llm, spec_llm):
         SamplingParams(temperature=0.5, top_p=0.8, top_k=50, max_tokens=32, seed=4),
         SamplingParams(temperature=1.2, max_tokens=32),
     ]
-    first = spec_llm.generate(prompts, params)
-    again = spec_llm.generate(prompts, params)
+    spec_llm.collective_rpc("specserve_force_k", args=(2,))
+    try:
+        first = spec_llm.generate(prompts, params)
+        again = spec_llm.generate(prompts, params)
+    finally:
+        spec_llm.collective_rpc("specserve_force_k", args=(None,))
     for i, p in enumerate(params):
         if p.seed is not None:
             assert first[i].outputs[0].token_ids == again[i].outputs[0].token_ids, f"seeded request {i}"
