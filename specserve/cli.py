@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     soak_arguments(p)
     p.set_defaults(func=_run("specserve.soak"))
 
+    p = sub.add_parser("bench-serve", help="speculative vs baseline on the running application, measured by vLLM's "
+                       "own bench serve client on prompts the demo pair never saw")
+    from specserve.bench_serve import add_arguments as bench_serve_arguments
+
+    bench_serve_arguments(p)
+    p.set_defaults(func=_run("specserve.bench_serve"))
+
     p = sub.add_parser("burst", help="N simultaneous streams at once: how the application pushes back")
     from specserve.burst import add_arguments as burst_arguments
 
