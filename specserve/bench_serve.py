@@ -63,6 +63,9 @@ def measure(args, model: str, concurrency: int, temperature: float, prompts: Pat
         "--disable-tqdm", "--ready-check-timeout-sec", "0", "--save-detailed",
     ]))
     finished = [latency for latency, error in zip(result["latencies"], result["errors"]) if not error]
+    if not finished:  # a wrong host, model id or key: say so now, not as a division by zero at the end
+        first_error = next((error for error in result["errors"] if error), "no error given").strip().splitlines()
+        raise SystemExit(f"specserve bench-serve: no request to {model} at {args.host} finished: {first_error[-1]}")
     kept = ("completed", "failed", "output_throughput", "median_e2el_ms", "p95_e2el_ms", "median_ttft_ms", "median_tpot_ms")
     return {key: result[key] for key in kept} | {"e2e_s": finished}
 

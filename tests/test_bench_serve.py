@@ -59,6 +59,15 @@ def test_speed_ups_and_pooling_over_rounds():
     assert table.splitlines()[-1] == "| 0 | 4 | 90.0 | 2.00 / 2.00 / 2.00; 1.50 / 1.67 / 0.50 | 1.78 / 1.80 / 1.67 | 0 |"
 
 
+def test_an_application_that_answers_nothing_is_a_clear_error(tmp_path):
+    """Nothing listens on port 9: the first point stops the command with the client's own error."""
+    from specserve.cli import main
+
+    with pytest.raises(SystemExit, match=r"no request to specserve-baseline at http://127.0.0.1:9 finished: .+"):
+        main(["bench-serve", "--host", "http://127.0.0.1:9", "--concurrency", "1", "--temperatures", "0",
+              "--rounds", "1", "--prompts", "2", "--out", str(tmp_path / "out.json")])
+
+
 @pytest.mark.slow
 def test_vllm_client_measures_both_models_on_the_application(serve_app, tmp_path):
     from specserve.cli import main

@@ -355,7 +355,6 @@ def test_a_burst_beyond_capacity_is_pushed_back_with_openai_429s(serve_app):
     assert httpx.get(f"{serve_app}/v1/specserve/unfinished_requests", timeout=60).json() == {SPEC: 0, BASELINE: 0}
 
 
-
 @slow
 def test_a_burst_within_a_models_capacity_is_all_accepted(serve_app):
     """64 streams opened at once (one model's 32 running and 32 queued) all complete: Serve counts a
@@ -370,6 +369,7 @@ def test_a_burst_within_a_models_capacity_is_all_accepted(serve_app):
     replies = asyncio.run(burst(serve_app, 64, body))
     assert [r["status"] for r in replies] == [200] * 64, summary(replies)
     assert all(r["text"].rstrip().endswith("data: [DONE]") for r in replies)
+
 
 @pytest.fixture
 def local_ray():
