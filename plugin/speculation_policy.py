@@ -387,7 +387,7 @@ def _sigmoid(x):
 POLICIES = ("adaptive", "fixed", "off")
 # The engine's default request speed floor (`speculative_engine_kwargs`; None turns it off): no request's
 # expected tokens per second below 0.8 of its speed without drafts. Load tests here at concurrency 1 to
-# 32 (README, ninth session) found it cut the slowest requests without costing throughput, where a floor
+# 32 (docs/measurements.md, ninth session) found it cut the slowest requests without costing throughput, where a floor
 # of 1 cost throughput whenever one badly predicted request shared the batch.
 DEFAULT_SPEED_FLOOR = 0.8
 
@@ -604,7 +604,7 @@ class SpeculationPolicy:
         """K_max for every row instead of the choice k [n] unless the model expects k to beat it by more
         than the model's own recent error on a step's time (the target fit's, most of a step and most of its
         variance): a gain smaller than that error is not one the model can see, and on this machine the
-        drafts it cut for such gains bought no measurable step time (README, seventeenth session). Not while
+        drafts it cut for such gains bought no measurable step time (docs/measurements.md, seventeenth session). Not while
         costs are pinned (the model is then exact by decree), nor where K_max for all breaks the speed
         floor."""
         margin = self.target.relative_error(requests) if self.k_max_unless_sure and not self.forced else 0.0
