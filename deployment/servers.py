@@ -9,6 +9,7 @@ trace in the response's "specserve_trace" field (on a stream: the final usage ch
 engine's worker when the request ends; the ingress also serves the playground (`deployment.playground`)."""
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from ray.serve.llm import LLMServer
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIHTTPException, engine_client
-from deployment.admission import api_key_check, engine_restarting, overloaded
+from deployment.admission import api_key_check, engine_restarting, overloaded, within_queue_grace
 from deployment.defaults import CPU_ENGINE_ENV
 from deployment.playground import PlaygroundRoutes
 from plugin.trace import TRACE_ARG, trace_document, wants_trace
@@ -39,17 +40,17 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
         self.playground_settings = playground_settings or {}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        return await self.admitted(super().completions(body, request), body.model)
+        return await self.admitted(functools.partial(super().completions, body, request), body.model)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        return await self.admitted(super().chat(body, request), body.model)
+        return await self.admitted(functools.partial(super().chat, body, request), body.model)
 
-    async def admitted(self, response, model: str) -> Response:
-        """The response, or the OpenAI-style reply a client can act on when the model cannot take the
-        request: 429 when its queue is full, 503 while its engine is being replaced (both with
-        Retry-After) instead of a bare 500."""
+    async def admitted(self, respond, model: str) -> Response:
+        """respond()'s response, or the OpenAI-style reply a client can act on when the model cannot
+        take the request: 429 when its queue is still full after the grace (`within_queue_grace`), 503
+        while its engine is being replaced (both with Retry-After) instead of a bare 500."""
         try:
-            return await response
+            return await within_queue_grace(respond)
         except BackPressureError as exc:
             return overloaded(model, exc.status_code, exc.retry_after_s)
         except EngineDeadError:  # Ray raises RayTaskError(EngineDeadError), an instance of both

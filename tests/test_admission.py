@@ -9,8 +9,10 @@ import json
 import pytest
 from starlette.requests import Request
 
+from ray.serve.exceptions import BackPressureError
+
 from deployment.admission import (ApiKeyCheck, JsonBackPressureReplies, engine_restarting, key_digest,
-                                  overloaded, read_api_key)
+                                  overloaded, read_api_key, within_queue_grace)
 
 
 def request(path: str, authorization: str | None = None) -> Request:
@@ -42,6 +44,46 @@ def test_check_guards_v1_only_and_only_when_a_key_is_set():
     for auth in (None, "", "Bearer", "Bearer sk-wrong", "sk-right", "Basic sk-right"):
         assert not check.allows(request("/v1/models", auth)), auth
         assert not check.allows(request("/v1/specserve/stats", auth)), auth
+
+
+def full_queue_for(calls: int):
+    """A call that finds the queue full its first `calls` times, then answers; with the times it was made."""
+    made = []
+
+    async def call():
+        made.append(asyncio.get_running_loop().time())
+        if len(made) <= calls:
+            raise BackPressureError(num_queued_requests=32, max_queued_requests=32, status_code=429, retry_after_s=2)
+        return "response"
+    return call, made
+
+
+def test_a_queue_that_frees_within_the_grace_admits_the_request():
+    """Serve counts simultaneous arrivals still being handed to a replica as queued: a request that
+    finds the queue full is asked again (20, 40, 80 ms later) and gets its response once there is room."""
+    call, made = full_queue_for(3)
+    assert asyncio.run(within_queue_grace(call, grace_s=1.0)) == "response"
+    gaps = [b - a for a, b in zip(made, made[1:])]
+    assert len(gaps) == 3 and all(gap >= wait - 0.002 for gap, wait in zip(gaps, [0.02, 0.04, 0.08])), gaps
+
+
+def test_a_queue_still_full_after_the_grace_pushes_back():
+    call, made = full_queue_for(1000)
+    with pytest.raises(BackPressureError):
+        asyncio.run(within_queue_grace(call, grace_s=0.25))
+    # at 0, 20, 60 and 140 ms (fewer on a busy machine); the next would come after the grace
+    assert 3 <= len(made) <= 4 and made[-1] - made[0] < 0.25
+
+
+def test_other_failures_are_not_asked_again():
+    made = []
+
+    async def call():
+        made.append(1)
+        raise RuntimeError("engine dead")
+    with pytest.raises(RuntimeError):
+        asyncio.run(within_queue_grace(call))
+    assert made == [1]
 
 
 def test_rejections_are_openai_errors_with_retry_after():
