@@ -119,6 +119,17 @@ def choose_draft_lengths(acceptance: np.ndarray, costs: StepCosts, max_k: int | 
     return best_k
 
 
+def _goodput_bound(gains: np.ndarray, costs: StepCosts) -> float:
+    """At least the goodput of any draft lengths for rows with gains [n, m]: d drafts emit at most n
+    tokens plus the d largest gains, and take at least the time of d draft tokens in ceil(d / n) draft
+    forwards (the longest draft is at least the mean); none at all give n / base."""
+    n = gains.shape[0]
+    top = np.sort(gains.ravel())[::-1]  # [n * m]
+    d = np.arange(1, top.size + 1)
+    time = costs.base + costs.drafting + costs.token_time(d) + costs.per_draft_forward * np.ceil(d / n)
+    return max(n / costs.base, float(((n + np.cumsum(top)) / time).max()))
+
+
 def _gains(acceptance: np.ndarray) -> np.ndarray:
     """Each row's gain per position, [n, m] for acceptance [n, m]: the product of its acceptances so far."""
     return np.cumprod(np.clip(acceptance, 0.0, 1.0), axis=1)
@@ -586,8 +597,7 @@ class SpeculationPolicy:
             k[eligible] = self.max_k
         elif self.mode == "adaptive" and len(eligible):
             acceptance, costs = self.acceptance.estimate(len(candidates))[eligible], self.costs(requests)
-            chosen = choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
-            k[eligible] = self._max_unless_sure(acceptance, costs, chosen, requests)
+            k[eligible] = self._adaptive_choice(acceptance, costs, requests)
             if k.any():
                 self.steps_without_drafts = 0
             elif self.steps_without_drafts >= self.PROBE_INTERVAL and not self.forced:
@@ -600,24 +610,32 @@ class SpeculationPolicy:
         self.histogram += np.bincount(k[eligible], minlength=self.max_k + 1)
         return k
 
-    def _max_unless_sure(self, acceptance: np.ndarray, costs: StepCosts, k: np.ndarray, requests: int) -> np.ndarray:
-        """K_max for every row instead of the choice k [n] unless the model expects k to beat it by more
-        than the model's own recent error on a step's time (the target fit's, most of a step and most of its
-        variance): a gain smaller than that error is not one the model can see, and on this machine the
-        drafts it cut for such gains bought no measurable step time (docs/measurements.md, seventeenth session). Not while
-        costs are pinned (the model is then exact by decree), nor where K_max for all breaks the speed
-        floor."""
+    def _adaptive_choice(self, acceptance: np.ndarray, costs: StepCosts, requests: int) -> np.ndarray:
+        """K [n] for acceptance [n, K_max]: `choose_draft_lengths`'s choice, or K_max for every row unless
+        the model expects the choice to beat it by more than the model's own recent error on a step's time
+        (the target fit's, most of a step and most of its variance): a gain smaller than that error is not
+        one the model can see, and on this machine the drafts it cut for such gains bought no measurable
+        step time (docs/measurements.md, seventeenth session). Not while costs are pinned (the model is then
+        exact by decree), nor where K_max for all breaks the speed floor.
+
+        Most steps under load keep K_max, so that is tested first against a bound on any choice's goodput
+        (`_goodput_bound`): when K_max is within the margin of the bound it is within the margin of the
+        choice, and the search, most of this function's time, is not run. The result is the same."""
         margin = self.target.relative_error(requests) if self.k_max_unless_sure and not self.forced else 0.0
-        full = np.full(len(k), self.max_k)
-        if margin <= 0 or (k == full).all():
-            return k
-        by_count = _tokens_by_count(_gains(acceptance))
-        time = costs.step_time(full)
-        if self.speed_floor is not None and len(k) > 1 and not _keeps_floor(by_count, full, time, costs.base / self.speed_floor):
-            return k
-        rows = np.arange(len(k))
-        chosen_rate = by_count[rows, k].sum() / costs.step_time(k)
-        return full if by_count[rows, full].sum() / time * (1 + margin) >= chosen_rate else k
+        if margin <= 0:
+            return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
+        n = len(acceptance)
+        by_count = _tokens_by_count(_gains(acceptance))  # [n, K_max + 1]
+        full = np.full(n, self.max_k)
+        full_time = costs.step_time(full)
+        if self.speed_floor is not None and n > 1 and not _keeps_floor(by_count, full, full_time, costs.base / self.speed_floor):
+            return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
+        full_rate = by_count[:, -1].sum() / full_time * (1 + margin)
+        if full_rate >= _goodput_bound(by_count[:, 1:] - by_count[:, :-1], costs):
+            return full
+        chosen = choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
+        chosen_rate = by_count[np.arange(n), chosen].sum() / costs.step_time(chosen)
+        return full if full_rate >= chosen_rate else chosen
 
     def cost_ratio(self) -> float | None:
         """The seeds' c at batch 1: the target's decode step (the step without drafts, less the draft's

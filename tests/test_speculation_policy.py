@@ -243,15 +243,59 @@ def test_the_choice_keeps_k_max_unless_its_gain_is_beyond_the_models_own_error()
     assert chosen.tolist() != [4, 4] and 0.01 < gain < 0.2
     for margin, kept in ((0.0, chosen), (gain * 0.5, chosen), (gain * 2, np.array([4, 4]))):
         policy.target.relative_error = lambda requests, margin=margin: margin
-        assert policy._max_unless_sure(acceptance, costs, chosen, 2).tolist() == kept.tolist()
+        assert policy._adaptive_choice(acceptance, costs, 2).tolist() == kept.tolist()
     policy.speed_floor = 0.99  # K_max for both leaves the second row at 0.95 of its plain speed
-    assert policy._max_unless_sure(acceptance, costs, chosen, 2).tolist() == chosen.tolist()
+    assert policy._adaptive_choice(acceptance, costs, 2).tolist() == chosen.tolist()
     policy.speed_floor = None
     policy.force_costs({"per_draft_token": 0.0004})
-    assert policy._max_unless_sure(acceptance, costs, chosen, 2).tolist() == chosen.tolist()
+    assert policy._adaptive_choice(acceptance, costs, 2).tolist() == chosen.tolist()
     policy.force_costs(None)
     policy.k_max_unless_sure = False  # switched off: the model's choice whatever its margin
-    assert policy._max_unless_sure(acceptance, costs, chosen, 2).tolist() == chosen.tolist()
+    assert policy._adaptive_choice(acceptance, costs, 2).tolist() == chosen.tolist()
+
+
+def random_case(rng, n: int, max_k: int):
+    acceptance = rng.uniform(0.0, 1.0, (n, max_k)) ** rng.uniform(0.2, 2.0)
+    knee, slope = rng.integers(0, 4 * n), rng.uniform(0, 0.004)  # a forward's time is not linear in tokens
+    costs = StepCosts(base=rng.uniform(0.001, 0.02), drafting=rng.uniform(0, 0.005),
+                      per_draft_token=rng.uniform(0, 0.004), per_draft_forward=rng.uniform(0, 0.004),
+                      verify_extra=lambda d: slope * np.maximum(d - knee, 0))
+    return acceptance, costs
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_goodput_bound_is_at_least_the_best_choice(seed):
+    from plugin.speculation_policy import _gains, _goodput_bound
+
+    rng = np.random.default_rng(seed)
+    acceptance, costs = random_case(rng, int(rng.integers(1, 4)), int(rng.integers(1, 5)))
+    assert _goodput_bound(_gains(acceptance), costs) >= brute_force(acceptance, costs, acceptance.shape[1]) * (1 - 1e-12)
+
+
+def test_the_k_max_shortcut_changes_no_choice():
+    """K_max taken from the goodput bound without the search is what the search and the comparison
+    with K_max would have given, over 300 random batches, costs, margins and floors (fixed seed), and
+    the shortcut is taken in some of them and not in others."""
+    from plugin.speculation_policy import _gains, _goodput_bound
+
+    rng = np.random.default_rng(7)
+    shortcuts = 0
+    for case in range(300):
+        n, max_k = int(rng.integers(1, 17)), int(rng.integers(1, 7))
+        acceptance, costs = random_case(rng, n, max_k)
+        acceptance = np.clip(acceptance + rng.uniform(0, 0.6), 0, 1)  # often K_max, so that the shortcut is taken
+        policy = SpeculationPolicy("adaptive", max_k=max_k, rows=n, k_max_unless_sure=True,
+                                   speed_floor=[None, 0.8, 0.95][case % 3])
+        margin = rng.uniform(0.0, 0.1)
+        policy.target.relative_error = lambda requests: margin
+        chosen = choose_draft_lengths(acceptance, costs, max_k, policy.speed_floor)
+        full = np.full(n, max_k)
+        floor_kept = policy.speed_floor is None or n == 1 or bool(
+            (expected_tokens(acceptance, full) / costs.step_time(full) >= policy.speed_floor / costs.base).all())
+        full_wins = goodput(acceptance, costs, full) * (1 + margin) >= goodput(acceptance, costs, chosen)
+        assert policy._adaptive_choice(acceptance, costs, n).tolist() == (full if floor_kept and full_wins else chosen).tolist()
+        shortcuts += floor_kept and goodput(acceptance, costs, full) * (1 + margin) >= _goodput_bound(_gains(acceptance), costs)
+    assert 5 <= shortcuts <= 295, shortcuts
 
 
 def test_policy_switches_off_under_forced_high_cost_and_back():
