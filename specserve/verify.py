@@ -32,7 +32,12 @@ import numpy as np
 SIGNIFICANCE = 1e-3
 MIN_TV = 0.05
 POWER = 0.9
-NEAR_TIE_NATS = 0.05
+# A near-tie is a gap within one rounding step of bfloat16 logits: 0.0625 for logits of magnitude 8 to 16
+# (the shipped target's top logits were 5.0 to 14.5 over 3,072 greedy positions, 45% of them at 8 or more).
+# A logit computed at another shape moves by such a step, so a gap of exactly one step (0.0625, seen in one
+# test run) rounds either way as a gap of 0 does; 0.05 had been below it. Not yet scaled to the logits: for a
+# pair whose top logits pass 16 (steps of 0.125) a one-step tie there fails the check as no near-tie.
+NEAR_TIE_NATS = 0.07
 # bfloat16 logits computed at another batch shape (a verify step's rows, not a decode step's) round an exact tie
 # either way: measured on the shipped pair, 0 to 3 such first divergences in 64 prompts x 64 tokens (about one
 # per 1,300 tokens compared at worst), so one per 512 leaves room while still catching a drift in precision.
