@@ -1,8 +1,9 @@
 """`specserve burst`: N simultaneous streams against the served application, all sent at once, and how
 it pushed back: replies by status, when each status arrived (percentiles, seconds from the burst's
 start), and how long the accepted streams took to finish. For sizing `max_ongoing_requests` and
-`max_queued_requests`: the excess should get 429 with Retry-After at once, the accepted ones finish
-within the clients' patience.
+`max_queued_requests`: the excess should get 429 with Retry-After within about a second (at once from
+Serve's proxy, after the ingress's grace from a model: `deployment.admission.within_queue_grace`), and
+the accepted ones finish within the clients' patience.
 
 One Python client holding hundreds of connections on a busy machine is slow to read its own replies, so
 the burst's timings say as much about the client as about the server. A probe in a process of its own
