@@ -625,13 +625,14 @@ class SpeculationPolicy:
         if margin <= 0:
             return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
         n = len(acceptance)
-        by_count = _tokens_by_count(_gains(acceptance))  # [n, K_max + 1]
+        gains = _gains(acceptance)  # [n, K_max]
+        by_count = _tokens_by_count(gains)  # [n, K_max + 1]
         full = np.full(n, self.max_k)
         full_time = costs.step_time(full)
         if self.speed_floor is not None and n > 1 and not _keeps_floor(by_count, full, full_time, costs.base / self.speed_floor):
             return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
         full_rate = by_count[:, -1].sum() / full_time * (1 + margin)
-        if full_rate >= _goodput_bound(by_count[:, 1:] - by_count[:, :-1], costs):
+        if full_rate >= _goodput_bound(gains, costs):
             return full
         chosen = choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
         chosen_rate = by_count[np.arange(n), chosen].sum() / costs.step_time(chosen)
