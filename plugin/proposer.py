@@ -37,7 +37,7 @@ from plugin import _vllm_internals as internals
 from plugin.compiled_decode import CompiledDecode
 from plugin.config import CONFIG_KEY, check_shared_vocabulary, check_switch, resolve_model_dir
 from plugin.draft_model import DraftModel
-from plugin.sampling import processed_probs, sample_from
+from plugin.sampling import argmax, processed_probs, sample_from
 from plugin.speculation_policy import DEFAULT_SPEED_FLOOR, SpeculationPolicy
 from plugin.step_profile import StepProfile, work_clock
 
@@ -364,13 +364,13 @@ class DraftProposer:
                 logits = self._vocab_aligned(logits if self.feeds_drafting_rows else logits[active])  # [a, vocab]
             with self.profile.phase("sampling"):
                 if q is None:  # every row greedy: the argmax is the draft, no distribution needed
-                    token = logits.argmax(-1)  # [a]
+                    token = argmax(logits)  # [a]
                 else:
                     probs = processed_probs(logits, temperature[at], None if top_k is None else top_k[at],
                                             None if top_p is None else top_p[at])
                     token = sample_from(probs, [generators[r] for r in active_np])
                     if any_greedy:
-                        token = torch.where(greedy[at], probs.argmax(-1), token)
+                        token = torch.where(greedy[at], argmax(probs), token)
                     q[at, j] = probs
                 drafts[at, j] = token
             positions[fed] += last[fed] + 1

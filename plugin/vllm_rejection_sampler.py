@@ -21,7 +21,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from plugin import _vllm_internals as internals
-from plugin.sampling import greedy_verify, pad_ragged, processed_probs, rejection_sample
+from plugin.sampling import argmax, greedy_verify, pad_ragged, processed_probs, rejection_sample
 
 HONOURED_METHODS = ("standard",)
 
@@ -77,7 +77,9 @@ class ExactRejectionSampler(RejectionSampler):
         bonus_token_ids = bonus_output.sampled_token_ids.view(-1).long()  # [batch]
 
         raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)  # [num_draft_tokens, vocab]
-        target_logits = raw_target_logits if self.is_processed_logprobs_mode else raw_target_logits.clone()
+        # The processors work in place; raw logits are kept apart only for raw logprobs.
+        keep_raw = sampling_metadata.max_num_logprobs is not None and not self.is_processed_logprobs_mode
+        target_logits = raw_target_logits.clone() if keep_raw else raw_target_logits
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
 
         rows = torch.arange(batch, device=logits.device)
@@ -85,7 +87,7 @@ class ExactRejectionSampler(RejectionSampler):
         drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)  # [batch, width]
         if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
             # Greedy only: the argmax decides and no distribution is needed; the bonus is vLLM's argmax.
-            target_argmax = pad_ragged(target_logits.argmax(-1), num_draft, width + 1)
+            target_argmax = pad_ragged(argmax(target_logits), num_draft, width + 1)
             target_argmax[rows, bonus_at] = bonus_token_ids
             output_token_ids, _ = greedy_verify(drafts, target_argmax)
         else:

@@ -376,3 +376,15 @@ def test_a_placeholder_ends_a_rows_drafts():
     out, accepted = rejection_sample(drafts, None, p, torch.zeros(n, dtype=torch.bool))
     assert accepted.eq(1).all() and out[:, 0].eq(3).all() and out[:, 2:].eq(-1).all()
     assert abs(out[:, 1].eq(6).float().mean().item() - 0.5) < 0.05
+
+
+def test_argmax_is_torchs_first_index_on_ties_for_any_layout():
+    """The CPU fast path (numpy) and the fallback (a transposed, non-contiguous view; bfloat16) give
+    torch's own argmax, ties to the first index, for 2-D and 3-D inputs."""
+    from plugin.sampling import argmax
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (5, 3, 64), generator=generator).float()  # many ties
+    for tensor in (x, x[0], x.transpose(0, 1), x.bfloat16()):
+        assert torch.equal(argmax(tensor), tensor.argmax(-1))
+    assert argmax(torch.tensor([[1.0, 3.0, 3.0]])).tolist() == [1]
