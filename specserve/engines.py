@@ -33,9 +33,17 @@ def start_llm(**kwargs):
     from vllm import LLM
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        os.environ.update(cpu_engine_env())
-    return LLM(**kwargs)
+    if not current_platform.is_cpu():
+        return LLM(**kwargs)
+    preload = os.environ.get("LD_PRELOAD")
+    os.environ.update(cpu_engine_env())
+    try:
+        return LLM(**kwargs)  # its engine processes start here, with the environment above
+    finally:  # what this process starts later (a browser, `serve run`) is not preloaded with the engine's libraries
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
 
 
 def build_llm(speculative: bool, **kwargs):

