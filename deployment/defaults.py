@@ -108,12 +108,13 @@ def cpu_preload(lib_dirs: list[Path] | None = None) -> dict[str, str]:
     import ctypes.util
     import sys
 
+    dirs = [Path(sys.prefix) / "lib"] if lib_dirs is None else lib_dirs
     found = []
     for name in CPU_PRELOAD_LIBRARIES:
-        local = [d / f"lib{name}.so" for d in (lib_dirs or [Path(sys.prefix) / "lib"]) if (d / f"lib{name}.so").exists()]
-        system = None if lib_dirs is not None else ctypes.util.find_library(name)
-        if local or system:
-            found.append(str(local[0]) if local else system)
+        local = next((str(d / f"lib{name}.so") for d in dirs if (d / f"lib{name}.so").exists()), None)
+        library = local or (ctypes.util.find_library(name) if lib_dirs is None else None)
+        if library:
+            found.append(library)
     return {"LD_PRELOAD": ":".join(found)} if found else {}
 
 

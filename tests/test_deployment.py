@@ -473,9 +473,7 @@ def test_embedded_default_comes_from_one_place():
 
 
 def test_cpu_engine_environment_keeps_an_operators_value(monkeypatch):
-    from deployment.defaults import cpu_engine_env
-
-    from deployment.defaults import cpu_preload, cpu_worker_binding
+    from deployment.defaults import cpu_engine_env, cpu_preload, cpu_worker_binding
 
     for name in CPU_ENGINE_ENV:
         monkeypatch.delenv(name, raising=False)
