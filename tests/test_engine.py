@@ -106,18 +106,33 @@ def test_sampling_distribution_of_first_two_tokens_matches_plain(plain_llm, spec
     assert homogeneity_p_value(plain, shifted) < 1e-3
 
 
+def generate_together(llm, prompts, params):
+    """`llm.generate`, with every request in the engine before its first step. `generate` sends them one
+    by one, and the engine core steps as soon as the first arrives: here its first step held the first
+    request alone, then all eight, and how many the first steps hold depends on the machine's timing.
+    The scheduler is paused (vLLM's sleep level 0) while they are added."""
+    llm.sleep(level=0)
+    try:
+        llm.enqueue(prompts, params, use_tqdm=False)
+    finally:
+        llm.wake_up(tags=["scheduling"])
+    return llm.wait_for_completion(use_tqdm=False)
+
+
 def test_mixed_batch_with_seeds(plain_llm, spec_llm):
     """Seeded rows of a mixed batch reproduce their output, greedy rows equal plain decoding. A bfloat16
     target's logits move with the batch's shape, as in plain vLLM, so the shape must repeat from one run
     to the next while the seeded rows run; what is ours to keep, each seeded row's random numbers drawn
-    in the same order whatever else is in the batch, is what this checks. So the unseeded rows' K is
-    forced to 2 (seeded rows still draft K_max; the adaptive K, chosen from live timings, moved 2 of 12
-    seeded outputs on a bfloat16 processor here), and the unseeded sampled rows, whose acceptance is
-    random, outlive every other row (96 tokens at most 3 a step, against 32 at least 1 a step): with 32
-    tokens they finished at a step of their own each run, and that moved a seeded output under forced K
-    too. Each run starts with the prefix cache empty: a second run that finds the prompts cached prefills
-    only their last token, and on a bfloat16 processor that moved three of four seeded outputs from the
-    seventh token on (runs with the cache reset before each matched the first)."""
+    in the same order whatever else is in the batch, is what this checks. So
+    - the unseeded rows' K is forced to 2 (seeded rows still draft K_max): the adaptive K, chosen from
+      live timings, moved 2 of 12 seeded outputs on a bfloat16 processor here;
+    - the unseeded sampled rows, whose acceptance is random and with it the step at which they reach
+      their length, outlive every other row (96 tokens at most 3 a step, against 32 at least 1 a step);
+    - every request reaches the engine before its first step (`generate_together`): one CI run's first
+      run of this batch differed from its second from the eighth token of a seeded row on;
+    - each run starts with the prefix cache empty: a second run that finds the prompts cached prefills
+      only their last token, and on a bfloat16 processor that moved three of four seeded outputs from
+      the seventh token on (runs with the cache reset before each matched the first)."""
     prompts = held_out_prompts(8)
     outlive = dict(max_tokens=96, ignore_eos=True)
     params = [
@@ -133,9 +148,9 @@ def test_mixed_batch_with_seeds(plain_llm, spec_llm):
     spec_llm.collective_rpc("specserve_force_k", args=(2,))
     try:
         spec_llm.reset_prefix_cache()
-        first = spec_llm.generate(prompts, params)
+        first = generate_together(spec_llm, prompts, params)
         spec_llm.reset_prefix_cache()
-        again = spec_llm.generate(prompts, params)
+        again = generate_together(spec_llm, prompts, params)
     finally:
         spec_llm.collective_rpc("specserve_force_k", args=(None,))
     for i, p in enumerate(params):
