@@ -50,6 +50,12 @@ class StepCosts:
         extra = self.per_draft_token * d
         return extra if self.verify_extra is None else extra + self.verify_extra(d)
 
+    def step_time_uniform(self, n: int, k: int) -> float:
+        """`step_time` of n requests each drafting k (the check of K_max that most steps end at)."""
+        if n == 0 or k == 0:
+            return self.base
+        return float(self.base + self.drafting + self.token_time(np.array([n * k]))[0] + self.per_draft_forward * k)
+
     def step_time(self, k: np.ndarray) -> float:
         k = np.asarray(k)
         if not k.size or k.max() == 0:
@@ -209,12 +215,19 @@ class AcceptanceTracker:
         return (self.engine_accepted + 1.0) / (self.engine_tested + 2.0)
 
     def estimate(self, rows: int) -> np.ndarray:
-        """Acceptance [rows, max_k] for batch rows 0..rows-1."""
-        rates = self.engine_rates()
-        overall = (self.engine_accepted.sum() + 1.0) / (self.engine_tested.sum() + 2.0)
-        own = (self.accepted[:rows] + self.prior_weight * overall) / (self.tested[:rows] + self.prior_weight)
-        shift = _logit(own) - _logit(overall)  # [rows]
-        return _sigmoid(_logit(rates)[None, :] + shift[:, None])
+        """Acceptance [rows, max_k] for batch rows 0..rows-1: in odds, the engine's odds at each position
+        times the request's odds over the engine's overall odds (a shift in log-odds). Every rate here is
+        strictly between 0 and 1 (the priors see to it), so no odds is 0 or infinite. Computed every step
+        just after the target's forward has evicted the caches, where each numpy call costs several
+        microseconds: hence odds (a few products) and not logits (logs, clips and an exp)."""
+        accepted, tested = float(self.engine_accepted.sum()), float(self.engine_tested.sum())
+        overall = (accepted + 1.0) / (tested + 2.0)
+        overall_odds = (accepted + 1.0) / (tested - accepted + 1.0)
+        position_odds = (self.engine_accepted + 1.0) / (self.engine_tested - self.engine_accepted + 1.0)  # [max_k]
+        own_accepted = self.accepted[:rows] + self.prior_weight * overall  # [rows]
+        own_odds = own_accepted / (self.tested[:rows] + self.prior_weight - own_accepted)  # [rows]
+        odds = np.multiply.outer(own_odds / overall_odds, position_odds)  # [rows, max_k]
+        return odds / (1.0 + odds)
 
     def record(self, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """One verification step: for rows 0..len-1, drafts verified [rows] and how many of them the
@@ -384,17 +397,6 @@ class BandedCost:
         return self.all.summary() | {"by_batch": {band_label(b): fit.summary() for b, fit in sorted(self.bands.items())}}
 
 
-def _logit(p):
-    p = np.clip(p, 1e-4, 1 - 1e-4)
-    return np.log(p / (1 - p))
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-
-
 POLICIES = ("adaptive", "fixed", "off")
 # The engine's default request speed floor (`speculative_engine_kwargs`; None turns it off): no request's
 # expected tokens per second below 0.8 of its speed without drafts. Load tests here at concurrency 1 to
@@ -481,7 +483,7 @@ class SpeculationPolicy:
         # Never decreasing in tokens: a point above a later one is timing noise, so it takes the later value.
         self.curve_tokens, self.curve_seconds = tokens, np.minimum.accumulate(seconds[::-1])[::-1]
         self._tabulate_forward()
-        self.target.scale[2:4] = float(self.forward_time(np.array([32]))[0])
+        self.target.scale[2:4] = self._forward_at(32)
         self.target.set_prior(self.TARGET_PRIOR)
 
     def _tabulate_forward(self) -> None:
@@ -499,6 +501,11 @@ class SpeculationPolicy:
             return self._forward_table[tokens]
         return self._interpolated_forward_time(tokens)
 
+    def _forward_at(self, tokens: int) -> float:
+        """`forward_time` of one whole token count, as a float (the table's, without an array round trip)."""
+        table = self._forward_table
+        return float(table[tokens]) if 0 <= tokens < len(table) else float(self._interpolated_forward_time(np.array([float(tokens)]))[0])
+
     def _interpolated_forward_time(self, tokens: np.ndarray) -> np.ndarray:
         t, y = self.curve_tokens, self.curve_seconds
         slope = (y[-1] - y[-2]) / max(t[-1] - t[-2], 1e-9)
@@ -515,7 +522,7 @@ class SpeculationPolicy:
         """One decode step of the target: requests in the batch, tokens scheduled (one per request plus
         the drafts), whether any drafted. Steps that prefill are left out by the caller: a prompt's
         attention cost is not what the policy decides about."""
-        plain, forward = self.forward_time(np.array([requests, max(tokens, requests)]))
+        plain, forward = self._forward_at(requests), self._forward_at(max(tokens, requests))
         drafts = float(max(tokens - requests, 0))
         self.target.observe(requests, np.array([1.0, requests, plain, forward - plain, float(drafted), drafts]), seconds)
 
@@ -567,7 +574,7 @@ class SpeculationPolicy:
         step, per_request, plain_scale, verify_scale, drafting, target_per_draft_token = self.target.coefficients(requests)
         overhead, draft_drafting, per_forward, per_row_forward = self.draft.coefficients(requests)
         engine_step, engine_per_request, engine_per_draft_token = self.engine.coefficients(requests)
-        plain_forward = float(self.forward_time(np.array([requests]))[0])
+        plain_forward = self._forward_at(requests)
         if self.feeds_drafting_rows:  # a row fed per draft token (see above)
             per_draft_forward, per_row_token = per_forward, per_row_forward
         else:  # each draft forward feeds the batch's rows
@@ -581,7 +588,7 @@ class SpeculationPolicy:
                           drafting=drafting + draft_drafting,
                           per_draft_token=engine_per_draft_token + target_per_draft_token + per_row_token,
                           per_draft_forward=per_draft_forward, verify_extra=verify_extra)
-        return replace(costs, **self.forced)
+        return replace(costs, **self.forced) if self.forced else costs
 
     def choose(self, candidates: np.ndarray, requests: int, pinned: np.ndarray | None = None) -> np.ndarray:
         """K [rows] for batch rows 0..rows-1, 0 where candidates [rows] is False (a row that cannot draft:
@@ -624,19 +631,18 @@ class SpeculationPolicy:
         margin = self.target.relative_error(requests) if self.k_max_unless_sure and not self.forced else 0.0
         if margin <= 0:
             return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
-        n = len(acceptance)
+        n, k_max = acceptance.shape
         gains = _gains(acceptance)  # [n, K_max]
-        by_count = _tokens_by_count(gains)  # [n, K_max + 1]
-        full = np.full(n, self.max_k)
-        full_time = costs.step_time(full)
-        if self.speed_floor is not None and n > 1 and not _keeps_floor(by_count, full, full_time, costs.base / self.speed_floor):
-            return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
-        full_rate = by_count[:, -1].sum() / full_time * (1 + margin)
+        full_tokens = 1.0 + gains.sum(axis=1)  # [n] E_i(K_max)
+        full_time = costs.step_time_uniform(n, k_max)
+        if self.speed_floor is not None and n > 1 and full_tokens.min() * costs.base / self.speed_floor < full_time:
+            return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)  # K_max breaks the floor
+        full_rate = full_tokens.sum() / full_time * (1 + margin)
         if full_rate >= _goodput_bound(gains, costs):
-            return full
+            return np.full(n, k_max)
         chosen = choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
-        chosen_rate = by_count[np.arange(n), chosen].sum() / costs.step_time(chosen)
-        return full if full_rate >= chosen_rate else chosen
+        chosen_rate = _tokens_by_count(gains)[np.arange(n), chosen].sum() / costs.step_time(chosen)
+        return np.full(n, k_max) if full_rate >= chosen_rate else chosen
 
     def cost_ratio(self) -> float | None:
         """The seeds' c at batch 1: the target's decode step (the step without drafts, less the draft's
