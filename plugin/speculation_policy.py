@@ -635,7 +635,7 @@ class SpeculationPolicy:
         gains = _gains(acceptance)  # [n, K_max]
         full_tokens = 1.0 + gains.sum(axis=1)  # [n] E_i(K_max)
         full_time = costs.step_time_uniform(n, k_max)
-        if self.speed_floor is not None and n > 1 and full_tokens.min() * (costs.base / self.speed_floor) < full_time:
+        if self.speed_floor is not None and n > 1 and full_tokens.min() * costs.base / self.speed_floor < full_time:
             return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)  # K_max breaks the floor
         full_rate = full_tokens.sum() / full_time * (1 + margin)
         if full_rate >= _goodput_bound(gains, costs):
