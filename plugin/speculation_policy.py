@@ -50,12 +50,6 @@ class StepCosts:
         extra = self.per_draft_token * d
         return extra if self.verify_extra is None else extra + self.verify_extra(d)
 
-    def step_time_uniform(self, n: int, k: int) -> float:
-        """`step_time` of n requests each drafting k (the check of K_max that most steps end at)."""
-        if n == 0 or k == 0:
-            return self.base
-        return float(self.base + self.drafting + self.token_time(np.array([n * k]))[0] + self.per_draft_forward * k)
-
     def step_time(self, k: np.ndarray) -> float:
         k = np.asarray(k)
         if not k.size or k.max() == 0:
@@ -631,18 +625,19 @@ class SpeculationPolicy:
         margin = self.target.relative_error(requests) if self.k_max_unless_sure and not self.forced else 0.0
         if margin <= 0:
             return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
-        n, k_max = acceptance.shape
+        n = len(acceptance)
         gains = _gains(acceptance)  # [n, K_max]
-        full_tokens = 1.0 + gains.sum(axis=1)  # [n] E_i(K_max)
-        full_time = costs.step_time_uniform(n, k_max)
-        if self.speed_floor is not None and n > 1 and full_tokens.min() * costs.base / self.speed_floor < full_time:
-            return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)  # K_max breaks the floor
-        full_rate = full_tokens.sum() / full_time * (1 + margin)
+        by_count = _tokens_by_count(gains)  # [n, K_max + 1]
+        full = np.full(n, self.max_k)
+        full_time = costs.step_time(full)
+        if self.speed_floor is not None and n > 1 and not _keeps_floor(by_count, full, full_time, costs.base / self.speed_floor):
+            return choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
+        full_rate = by_count[:, -1].sum() / full_time * (1 + margin)
         if full_rate >= _goodput_bound(gains, costs):
-            return np.full(n, k_max)
+            return full
         chosen = choose_draft_lengths(acceptance, costs, self.max_k, self.speed_floor)
-        chosen_rate = _tokens_by_count(gains)[np.arange(n), chosen].sum() / costs.step_time(chosen)
-        return np.full(n, k_max) if full_rate >= chosen_rate else chosen
+        chosen_rate = by_count[np.arange(n), chosen].sum() / costs.step_time(chosen)
+        return full if full_rate >= chosen_rate else chosen
 
     def cost_ratio(self) -> float | None:
         """The seeds' c at batch 1: the target's decode step (the step without drafts, less the draft's
