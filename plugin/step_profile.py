@@ -12,7 +12,7 @@ import time
 
 import torch
 
-DRAFT_PHASES = ("follow_rows", "plan", "catch_up", "draft_forward", "sampling", "commit")
+DRAFT_PHASES = ("follow_rows", "plan", "rebuild", "catch_up", "draft_forward", "sampling", "commit")
 TARGET_PHASES = ("target_forward", "verify")
 PHASES = TARGET_PHASES + DRAFT_PHASES
 _OFF = contextlib.nullcontext()

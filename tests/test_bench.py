@@ -111,7 +111,7 @@ def test_a_profiled_point_times_the_targets_forward_verification_and_each_draft_
         shutdown_llm(llm)
     prof = row["profile"]
     phases = prof["phases_ms"]
-    for phase in ("target_forward", "verify", "catch_up", "draft_forward", "sampling", "commit"):
+    for phase in ("target_forward", "verify", "rebuild", "catch_up", "draft_forward", "sampling", "commit"):
         assert phases[phase] > 0, phase
     assert phases["target_forward"] + phases["verify"] + prof["draft_ms"] < prof["step_ms"]
     assert 0 < prof["rest_ms"] < prof["step_ms"]
