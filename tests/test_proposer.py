@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("vllm")
 
 from deployment.defaults import DEMO_DRAFT  # noqa: E402
-from plugin.draft_model import DraftModel  # noqa: E402
 from plugin import proposer as proposer_module  # noqa: E402
+from plugin.draft_model import DraftModel  # noqa: E402
 from plugin.proposer import DraftProposer  # noqa: E402
 
 K, MAX_LEN, VOCAB, SLOTS = 3, 320, 4096, 8
