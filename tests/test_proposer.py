@@ -73,9 +73,10 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     C++), the eager one or the compiled one-token decode. The native forward's products of many rows
     multiply in bfloat16 where that pays, and a rebuild in one forward would be such a product: there
     the rebuilds take chunks of 64 tokens (float32 products, which hold q to this test's tolerance); the
-    eager forward rebuilds a long prefix in one forward."""
+    others rebuild a long prefix in one forward."""
     rng = np.random.default_rng(0)
-    monkeypatch.setattr(proposer_module, "REBUILD_TOKENS", 512 if forward == "eager" else 0)
+    if forward == "native":
+        monkeypatch.setattr(proposer_module, "REBUILD_TOKENS", 0)
     compiled = forward == "compiled"
     proposer = make_proposer(compile_draft="on" if compiled else "off",
                              native_draft="on" if forward == "native" else "off")
@@ -145,6 +146,28 @@ def test_drafts_follow_each_requests_tokens_through_every_kind_of_step(reference
     assert proposer.stats["failures"] == 0
     if compiled:  # every one-token forward, catch-up included, went through the compiled step
         assert proposer.decode.failed is None, proposer.decode.failed
+
+
+def test_a_rebuild_feeds_up_to_512_tokens_a_forward_and_at_least_64_a_row():
+    """One new request's prompt goes in one forward (it took five of 64 tokens before), several rows share
+    the forward's 512 tokens, and a row that runs out stops being fed."""
+    proposer = make_proposer(native_draft="off")
+    widths = []
+    forward = proposer.model.forward
+
+    def recording(tokens, *args, **kwargs):
+        widths.append(tuple(tokens.shape))
+        return forward(tokens, *args, **kwargs)
+
+    proposer.model.forward = recording
+    proposer._rebuilds = 0  # counted per step by propose
+    token_ids = np.random.default_rng(0).integers(VOCAB, size=(SLOTS, MAX_LEN))
+    proposer._feed(token_ids, np.array([0]), np.array([0]), np.array([300]))
+    assert widths == [(1, 300)]
+    widths.clear()
+    proposer._feed(token_ids, np.arange(4), np.zeros(4, dtype=np.int64), np.array([300, 40, 200, 129]))
+    assert widths == [(4, 128), (3, 128), (1, 44)]
+    assert proposer._rebuilds == 4
 
 
 @pytest.mark.parametrize("rows", [
