@@ -56,9 +56,14 @@ class IngressInternals(OpenAiIngress):
 
     async def _get_model_id(self, model):
         try:
-            return await super()._get_model_id(model)
+            model_id = await super()._get_model_id(model)
         except HTTPException as exc:
             raise self.unknown_model(exc) from None
+        if model_id not in self._model_cards:
+            # Ray's lookup passes "<model>:<anything>" as a LoRA adapter of <model>, which fails in the
+            # replica as a 500; no model here serves adapters, so such an id is an unknown model.
+            raise self.unknown_model(HTTPException(404, f'Could not find model with id "{model_id}".'))
+        return model_id
 
 
 def engine_client(server):

@@ -57,6 +57,15 @@ def openai_error(status: int, message: str, type_: str, code: str, headers: Opti
                         status_code=status, headers=headers)
 
 
+def route_path(request: Request) -> str:
+    """The path the application routes on: the request's path less the root path it is served under.
+    Serve's proxy passes a `route_prefix` other than "/" (and `http_options.root_path`) as the ASGI
+    root_path and leaves it in the path, where FastAPI strips it before matching a route; so
+    `/specserve/v1/completions` reaches the `/v1` routes and must be checked as `/v1/completions`."""
+    path, root = request.scope.get("path", ""), request.scope.get("root_path", "").rstrip("/")
+    return path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
+
+
 class ApiKeyCheck:
     """The check itself: the ingress replica sets the digest once (`require`); the HTTP middleware
     consults it on every request."""
@@ -68,12 +77,13 @@ class ApiKeyCheck:
         self.digest = digest
 
     def allows(self, request: Request) -> bool:
-        if self.digest is None or not request.url.path.startswith(PROTECTED_PREFIX):
+        if self.digest is None or not route_path(request).startswith(PROTECTED_PREFIX):
             return True
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not presented:
+        presented_digest = key_digest(presented.strip())
+        if scheme.lower() != "bearer" or presented_digest is None:
             return False
-        return hmac.compare_digest(key_digest(presented.strip()), self.digest)
+        return hmac.compare_digest(presented_digest, self.digest)
 
     async def __call__(self, request: Request, call_next):
         if self.allows(request):

@@ -7,7 +7,7 @@ speculative variants of the same pair: fixed K, another K_max).
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from deployment.defaults import (
     BASELINE_MODEL_ID,
@@ -34,8 +34,12 @@ class SpecServeArgs(BaseModel):
     baseline_model_id: str = Field(BASELINE_MODEL_ID, min_length=1)
     accelerator: Literal["cpu", "gpu"] = "cpu"
     accelerator_type: Optional[str] = Field(None, description="e.g. H100; GPU only")
-    engine_kwargs: dict[str, Any] = Field(default_factory=lambda: dict(DEMO_ENGINE_KWARGS),
-                                          description="vLLM engine arguments shared by both models")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, validate_default=True,
+                                          description="vLLM engine arguments shared by both models: on cpu "
+                                                      "over the embedded default's (DEMO_ENGINE_KWARGS: eager, "
+                                                      "a KV cache in bytes, no chunked prefill, the dtype), "
+                                                      "which a key given here replaces one by one; on gpu "
+                                                      "as given")
     speculative_options: dict[str, Any] = Field(default_factory=dict,
                                                 description="extra speculative_engine_kwargs options "
                                                             "(k_policy: adaptive, the default; fixed; off; request_speed_floor: "
@@ -66,6 +70,13 @@ class SpecServeArgs(BaseModel):
     playground_race: Optional[Literal["one_after_the_other", "side_by_side"]] = Field(
         None, description="how the playground races the two models: one after the other where they share "
                           "cores (the default on cpu), side by side where each has its own accelerator (gpu)")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _cpu_engine_defaults(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """On cpu a YAML that sets one engine argument (the dtype, say) keeps the other CPU settings, each
+        there for a reason (`deployment.defaults`); a GPU profile's are its own."""
+        return DEMO_ENGINE_KWARGS | value if info.data.get("accelerator") == "cpu" else value
 
     @field_validator("reports_dir")
     @classmethod

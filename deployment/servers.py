@@ -64,14 +64,22 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
         )
 
     async def health(self) -> dict:
-        """200 once every model has a running replica whose engine answers its health check; 503
-        otherwise, at once: a request to a model without a running replica would wait for one."""
+        """200 once every model has a running replica whose engine does not fail its health check; 503
+        otherwise, at once: a request to a model without a running replica would wait for one.
+
+        The check goes through the model's handle, which queues it like a request, so a busy model can
+        keep it waiting or refuse it (its queue full). That is load, not a fault: the replicas are RUNNING
+        because Serve's own health checks, which bypass the queue, pass; so only a check that fails (a
+        dead engine answers at once) makes the model unhealthy. A probe on /health must not take a node
+        out of service for being busy."""
         replicas = await self.replicas()
         for model_id, handle in self.model_handles().items():
             try:
                 if not replicas[model_id].get("RUNNING"):
                     raise RuntimeError(f"no running replica ({replicas[model_id]})")
                 await asyncio.wait_for(handle.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
+            except (BackPressureError, asyncio.TimeoutError):
+                continue  # busy
             except Exception as exc:  # noqa: BLE001 - any failure means not ready
                 raise OpenAIHTTPException(503, f"model {model_id} is not healthy: {exc!r}", "ServiceUnavailable")
         return {"status": "ok", "models": self.model_ids()}

@@ -2,7 +2,7 @@
 
     locust -f loadtest/ --host http://127.0.0.1:8000                    # web UI
     locust -f loadtest/ --host http://127.0.0.1:8000 --headless -u 8 -t 60s SpeculativeUser
-    locust -f loadtest/ ... --tags baseline                             # or select by tag
+    locust -f loadtest/ ... BaselineUser                                # one class alone (--tags filters tasks, not users)
     locust -f loadtest/ ... --speculative-model M1 --baseline-model M2 --max-tokens 64 --temperature 0.7
 
 The options (`loadtest/_options.py`): --max-tokens, --temperature, --ignore-eos, --speculative-model,

@@ -39,18 +39,21 @@ class ServeProcess:
 
     def wait_ready(self, timeout_s: float = 400) -> float:
         """Seconds until the application answers /health. One that does not within timeout_s is stopped
-        before the error is raised: its engines would otherwise outlive the caller (a load test that gave
-        up on five engines starting on two cores left all of them running)."""
+        before the error is raised, and so is one whose wait is interrupted (Ctrl-C: serve run is in a
+        session of its own, so the terminal's SIGINT never reaches it): its engines would otherwise outlive
+        the caller (a load test that gave up on five engines starting on two cores left all of them running)."""
         start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.proc.poll() is not None:
-                self.stop()  # serve run is gone; its Ray cluster and engines may not be
-                raise RuntimeError(f"serve run exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if is_ready(self.url):
-                return time.monotonic() - start
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"not ready after {timeout_s} s (stopped):\n{self.log_tail()}")
+        try:
+            while time.monotonic() - start < timeout_s:
+                if self.proc.poll() is not None:  # serve run is gone; its Ray cluster and engines may not be
+                    raise RuntimeError(f"serve run exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if is_ready(self.url):
+                    return time.monotonic() - start
+                time.sleep(1)
+            raise TimeoutError(f"not ready after {timeout_s} s (stopped):\n{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]

@@ -15,9 +15,10 @@ from deployment.admission import (ApiKeyCheck, JsonBackPressureReplies, engine_r
                                   overloaded, read_api_key, within_queue_grace)
 
 
-def request(path: str, authorization: str | None = None) -> Request:
-    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
-    return Request({"type": "http", "method": "GET", "path": path, "headers": headers, "query_string": b""})
+def request(path: str, authorization: str | None = None, root_path: str = "") -> Request:
+    headers = [(b"authorization", authorization.encode("latin-1"))] if authorization is not None else []
+    return Request({"type": "http", "method": "GET", "path": path, "root_path": root_path, "headers": headers,
+                    "query_string": b""})
 
 
 def test_key_from_the_environment_first_then_the_file(monkeypatch, tmp_path):
@@ -44,6 +45,27 @@ def test_check_guards_v1_only_and_only_when_a_key_is_set():
     for auth in (None, "", "Bearer", "Bearer sk-wrong", "sk-right", "Basic sk-right"):
         assert not check.allows(request("/v1/models", auth)), auth
         assert not check.allows(request("/v1/specserve/stats", auth)), auth
+
+
+def test_check_guards_v1_under_a_route_prefix_too():
+    """Serve's proxy passes a route_prefix as the ASGI root_path and leaves it in the path; FastAPI routes
+    `/specserve/v1/completions` to `/v1/completions`, so the key is asked there too."""
+    check = ApiKeyCheck()
+    check.require(key_digest("sk-right"))
+    for root in ("/specserve", "/specserve/", "/a/b"):
+        path = root.rstrip("/") + "/v1/completions"
+        assert not check.allows(request(path, root_path=root)), root
+        assert not check.allows(request(path, "Bearer sk-wrong", root_path=root)), root
+        assert check.allows(request(path, "Bearer sk-right", root_path=root)), root
+        assert check.allows(request(root.rstrip("/") + "/health", root_path=root)), root
+
+
+def test_a_key_of_blanks_is_refused_not_an_error():
+    """A header whose key strips to nothing (a no-break space, say) is a wrong key: 401, never a 500."""
+    check = ApiKeyCheck()
+    check.require(key_digest("sk-right"))
+    for auth in ("Bearer \xa0", "Bearer  \t", "Bearer \xa0\xa0"):
+        assert not check.allows(request("/v1/models", auth)), repr(auth)
 
 
 def full_queue_for(calls: int):

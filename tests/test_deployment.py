@@ -212,6 +212,49 @@ def test_prometheus_counters_only_go_up_by_what_the_engine_gained():
     assert counter.calls == [(5, {"model": "m", "drafted": "true"}), (7, {"model": "m", "drafted": "true"})]
 
 
+def test_health_is_not_lost_to_load_but_is_to_a_failing_engine(monkeypatch):
+    """/health asks each model's engine through its handle, which queues the check like a request: a
+    model whose queue is full (BackPressureError) or that has no slot free within the timeout is busy,
+    and stays healthy; an engine whose check fails, or a model with no running replica, is not."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve.exceptions import BackPressureError
+
+    from deployment import servers
+    from deployment._ray_internals import OpenAIHTTPException
+
+    monkeypatch.setattr(servers, "HEALTH_CHECK_TIMEOUT_S", 0.05)
+
+    def ingress(check, running=1):
+        async def replicas():
+            return {"m": {"RUNNING": running}}
+        handle = SimpleNamespace(check_health=SimpleNamespace(remote=check))
+        return SimpleNamespace(replicas=replicas, model_handles=lambda: {"m": handle}, model_ids=lambda: ["m"])
+
+    async def answers():
+        return None
+
+    async def queue_full():
+        raise BackPressureError(num_queued_requests=64, max_queued_requests=64)
+
+    async def no_slot_free():
+        await asyncio.sleep(10)
+
+    async def engine_dead():
+        raise RuntimeError("EngineDeadError")
+
+    def health(check, running=1):
+        return asyncio.run(servers.SpecServeIngress.health(ingress(check, running)))
+
+    for busy in (answers, queue_full, no_slot_free):
+        assert health(busy)["status"] == "ok", busy.__name__
+    with pytest.raises(OpenAIHTTPException, match="not healthy.*EngineDeadError"):
+        health(engine_dead)
+    with pytest.raises(OpenAIHTTPException, match="no running replica"):
+        health(answers, running=0)
+
+
 def test_speculation_metrics_poll_the_engine_only_while_requests_come_or_run(monkeypatch):
     """Each poll is an RPC that wakes the engine's worker (which then spins for a second): an idle
     replica is not polled, one that took a request or still runs one is, and counting resumes then."""
@@ -271,6 +314,7 @@ def test_speculation_metrics_poll_the_engine_only_while_requests_come_or_run(mon
 BAD_INPUTS = [
     ("malformed JSON", "/v1/completions", b'{"model": "specserve-speculative", "prompt": '),
     ("unknown model", "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 4}),
+    ("adapter of a model", "/v1/completions", {"model": f"{SPEC}:adapter", "prompt": "x", "max_tokens": 4}),
     ("missing prompt", "/v1/completions", {"model": SPEC, "max_tokens": 4}),
     ("missing messages", "/v1/chat/completions", {"model": SPEC, "max_tokens": 4}),
     ("max_tokens 0", "/v1/completions", {"model": SPEC, "prompt": "x", "max_tokens": 0}),
@@ -484,6 +528,20 @@ def test_cpu_engine_environment_keeps_an_operators_value(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert cpu_engine_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
     assert cpu_engine_env().get("VLLM_CPU_OMP_THREADS_BIND", "0") == "0"
+
+
+def test_engine_kwargs_on_cpu_replace_the_defaults_one_key_at_a_time():
+    """A CPU YAML that sets the dtype keeps eager mode, the KV cache in bytes and chunked prefill off
+    (which keeps seeded requests from crashing the engine); a GPU profile's engine arguments are its own."""
+    from deployment.app import SpecServeArgs, llm_configs
+
+    cpu = SpecServeArgs(engine_kwargs={"dtype": "bfloat16", "max_model_len": 512})
+    assert cpu.engine_kwargs == DEMO_ENGINE_KWARGS | {"dtype": "bfloat16", "max_model_len": 512}
+    spec, base = llm_configs(cpu)
+    assert base.engine_kwargs["enable_chunked_prefill"] is False and base.engine_kwargs["dtype"] == "bfloat16"
+    assert SpecServeArgs().engine_kwargs == DEMO_ENGINE_KWARGS
+    gpu = SpecServeArgs(accelerator="gpu", engine_kwargs={"max_model_len": 8192})
+    assert gpu.engine_kwargs == {"max_model_len": 8192}
 
 
 def test_equal_model_ids_are_refused():
