@@ -126,6 +126,10 @@ class DraftProposer:
         self.proposed = np.zeros(self.max_rows, dtype=np.int64)
         self.ever_drafted = np.zeros(self.max_rows, dtype=bool)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' draft generators
+        # The drafts the scheduler sent this step's verification, by request (set by the worker before the
+        # step): its token budget can cut a row's drafts, and a cut draft was never tested. None when no
+        # worker tells (a proposer driven directly): then what was proposed.
+        self.scheduled_drafts: Optional[dict[str, list[int]]] = None
         self.stats = {"steps": 0, "steps_drafted": 0, "proposed_requests": 0, "draft_tokens": 0,
                       "draft_forwards": 0, "draft_row_forwards": 0, "finished_requests": 0,
                       "finished_requests_drafted": 0, "failures": 0, "draft_seconds": 0.0}
@@ -247,7 +251,7 @@ class DraftProposer:
         with self.profile.phase("plan"):
             rows = min(batch, self.max_rows)
             emitted = np.fromiter(map(len, sampled_token_ids[:rows]), dtype=np.int64, count=rows)  # [rows]
-            self._record_acceptance(emitted)
+            self._record_acceptance(emitted, req_ids)
             n = num_tokens_no_spec[:rows].astype(np.int64)  # [rows] real tokens
             seeded = np.zeros(rows, dtype=bool)
             seeded[internals.seeded_rows(self.runner, rows)] = True
@@ -260,11 +264,15 @@ class DraftProposer:
         with self.profile.phase("commit"):
             return self._commit(plan, drafts, batch), q
 
-    def _record_acceptance(self, emitted: np.ndarray) -> None:
-        """Each row emitted its accepted drafts plus one token: feed the policy's acceptance counts."""
+    def _record_acceptance(self, emitted: np.ndarray, req_ids: list[str]) -> None:
+        """Each row emitted its accepted drafts plus one token: feed the policy's acceptance counts, of the
+        drafts the target verified (`scheduled_drafts`)."""
         rows = len(emitted)
-        proposed = np.where(emitted > 0, self.proposed[:rows], 0)
-        self.policy.acceptance.record(proposed, np.maximum(emitted - 1, 0))
+        verified = self.proposed[:rows]
+        if self.scheduled_drafts is not None:
+            verified = np.fromiter((len(self.scheduled_drafts.get(req_id, ())) for req_id in req_ids[:rows]),
+                                   dtype=np.int64, count=rows)
+        self.policy.acceptance.record(np.where(emitted > 0, verified, 0), np.maximum(emitted - 1, 0))
 
     def _forget_request(self, rows) -> None:
         """The rows hold a new request: no acceptance history, nothing proposed."""
@@ -298,8 +306,8 @@ class DraftProposer:
                 self._forget(row)  # empty, or a new (or resumed) request: rebuilt from its tokens
                 self._forget_request(row)
             self.owner[row] = req_id
-        for req_id in set(self.generators) - set(held):
-            del self.generators[req_id]
+        # A seeded request's draft generator stays until it finishes (`release`), not while it is in the
+        # batch: one preempted or left out of a step goes on with its stream, as its vLLM generator does.
 
     def _plan_catch_up(self, k: np.ndarray, n: np.ndarray, token_ids_cpu: np.ndarray) -> "CatchUp":
         """From which position each drafting row (k [rows] > 0; n [rows] real tokens) feeds its real

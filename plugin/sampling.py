@@ -61,14 +61,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def processed_probs(
+def processed_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: Optional[torch.Tensor] = None,
     top_p: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Logits [N, V] to the distribution each row samples from: temperature, then top-k, then top-p.
-    Rows with temperature 0 are greedy and get a one-hot at their argmax."""
+    """Logits [N, V] after temperature, then top-k, then top-p (filtered tokens -inf), float32: what each
+    row samples from, before the softmax, and what vLLM's processed logprobs are of. Rows with
+    temperature 0 (greedy) are divided by 1."""
     logits = logits.float()
     greedy = temperature <= _EPS
     # Filters that no row uses are skipped: the sort they need is the costliest step here.
@@ -77,21 +78,35 @@ def processed_probs(
     if top_p is not None and not bool((top_p < 1).any()):
         top_p = None
     scaled = logits / torch.where(greedy, 1.0, temperature.float()).unsqueeze(-1)
-    probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+    return apply_top_k_top_p(scaled, top_k, top_p)
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Logits [N, V] to the distribution each row samples from: temperature, then top-k, then top-p.
+    Rows with temperature 0 are greedy and get a one-hot at their argmax."""
+    probs = processed_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    greedy = temperature <= _EPS
     if greedy.any():
-        one_hot = torch.zeros_like(probs).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax(logits.float()).unsqueeze(-1), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs
 
 
 def _uniform(shape, device, generators: Sequence[Optional[torch.Generator]], lengths=None) -> torch.Tensor:
-    """Uniform [0, 1) noise [B, N]. A row with a generator draws its first lengths[row] values (all N
-    by default) from it, so what a seeded request consumes does not depend on its batch."""
-    noise = torch.rand(shape, device=device)
+    """Uniform [0, 1) noise [B, N], float64. A row with a generator draws its first lengths[row] values
+    (all N by default) from it, so what a seeded request consumes does not depend on its batch. Float64
+    because a float32 uniform is a multiple of 2^-24: every token's chance of being drawn, and every
+    acceptance chance, would be rounded to that grid (a token of mass 1e-9 drawn never or at 6e-8)."""
+    noise = torch.rand(shape, device=device, dtype=torch.float64)
     for row, gen in enumerate(generators):
         if gen is not None:
             n = shape[1] if lengths is None else int(lengths[row])
-            noise[row, :n] = torch.rand(n, device=device, generator=gen)
+            noise[row, :n] = torch.rand(n, device=device, generator=gen, dtype=torch.float64)
     return noise
 
 
@@ -100,9 +115,10 @@ def sample_from(probs: torch.Tensor, generators: Sequence[Optional[torch.Generat
     cumulative mass exceeds u * total, with one uniform u per row. The cumulative sums are float64, so
     rounding moves no token's mass by more than about V * 1e-16 (float32 sums over a 152k vocabulary
     could move 1e-2); a token of zero mass is never drawn. One uniform per row instead of one
-    exponential per vocabulary entry: on a CPU the random numbers were most of a draw's cost."""
+    exponential per vocabulary entry: on a CPU the random numbers were most of a draw's cost. The
+    uniform is float64 too (`_uniform`)."""
     cdf = probs.double().cumsum(dim=-1)  # [B, V]
-    u = _uniform((len(probs), 1), probs.device, generators or [None] * len(probs)).double()  # [B, 1]
+    u = _uniform((len(probs), 1), probs.device, generators or [None] * len(probs))  # [B, 1]
     token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
     return token.clamp_max(probs.size(-1) - 1)  # only a row with no mass at all reaches V
 

@@ -587,9 +587,10 @@ class SpeculationPolicy:
     def choose(self, candidates: np.ndarray, requests: int, pinned: np.ndarray | None = None) -> np.ndarray:
         """K [rows] for batch rows 0..rows-1, 0 where candidates [rows] is False (a row that cannot draft:
         mid-prefill, or too near its length limit); requests counts the whole batch. Pinned rows [rows]
-        draft K_max whatever the mode but "off": a seeded request must reproduce its output, and which
-        random numbers it draws depends on how many drafts it gets, which the adaptive choice makes
-        depend on live timings."""
+        draft K_max whatever the mode but "off", and unless K is forced (`force_k`, as uniform as K_max):
+        a seeded request must reproduce its output, and which random numbers it draws depends on how many
+        drafts it gets, which the adaptive choice makes depend on live timings (pinned costs included:
+        the choice still rests on the live acceptance of other requests)."""
         k = np.zeros(len(candidates), dtype=np.int64)
         eligible = np.nonzero(candidates)[0]
         if self.forced_k is not None:
@@ -606,7 +607,7 @@ class SpeculationPolicy:
                 self.probes += 1
             else:
                 self.steps_without_drafts += 1
-        if pinned is not None and self.mode != "off":
+        if pinned is not None and self.mode != "off" and self.forced_k is None:
             k[candidates & pinned] = self.max_k
         self.histogram += np.bincount(k[eligible], minlength=self.max_k + 1)
         return k

@@ -21,7 +21,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from plugin import _vllm_internals as internals
-from plugin.sampling import argmax, greedy_verify, pad_ragged, processed_probs, rejection_sample
+from plugin.sampling import argmax, greedy_verify, pad_ragged, processed_logits, processed_probs, rejection_sample
 
 HONOURED_METHODS = ("standard",)
 
@@ -85,19 +85,19 @@ class ExactRejectionSampler(RejectionSampler):
         rows = torch.arange(batch, device=logits.device)
         bonus_at = torch.as_tensor(num_draft, device=logits.device)
         drafts = pad_ragged(metadata.draft_token_ids.long(), num_draft, width, fill=-1)  # [batch, width]
-        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        all_greedy = sampling_metadata.all_greedy or sampling_metadata.temperature is None
+        per_token = None if all_greedy else (  # each request's temperature, top_k, top_p at its draft positions
+            _per_token(sampling_metadata.temperature, num_draft),
+            _per_token(sampling_metadata.top_k, num_draft),
+            _per_token(sampling_metadata.top_p, num_draft))
+        if all_greedy:
             # Greedy only: the argmax decides and no distribution is needed; the bonus is vLLM's argmax.
             target_argmax = pad_ragged(argmax(target_logits), num_draft, width + 1)
             target_argmax[rows, bonus_at] = bonus_token_ids
             output_token_ids, _ = greedy_verify(drafts, target_argmax)
         else:
             temperature = sampling_metadata.temperature
-            target_probs = processed_probs(
-                target_logits,
-                _per_token(temperature, num_draft),
-                _per_token(sampling_metadata.top_k, num_draft),
-                _per_token(sampling_metadata.top_p, num_draft),
-            )
+            target_probs = processed_probs(target_logits, *per_token)
             # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
             padded_target = pad_ragged(target_probs, num_draft, width + 1)  # [batch, width + 1, vocab]
             padded_target[rows, bonus_at] = torch.nn.functional.one_hot(bonus_token_ids, target_probs.size(-1)).float()
@@ -108,12 +108,21 @@ class ExactRejectionSampler(RejectionSampler):
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
+            if not self.is_processed_logprobs_mode:
+                logprob_logits = raw_target_logits
+            elif all_greedy:
+                logprob_logits = target_logits
+            else:
+                # Processed logprobs are of what each position samples from, temperature, top-k and top-p
+                # applied, as the bonus token's are and as vLLM's own verification passes them (its
+                # `apply_sampling_constraints`, a Triton kernel that a CPU has not).
+                logprob_logits = processed_logits(target_logits, *per_token)
             logprobs_tensors = internals.logprobs_tensors(
                 self,
                 sampling_metadata.max_num_logprobs,
                 metadata,
                 logits,
-                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                logprob_logits,
                 bonus_output.logprobs_tensors.logprobs,
                 output_token_ids,
             )

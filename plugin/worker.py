@@ -103,6 +103,7 @@ class SpeculativeWorker(internals.platform_worker_class()):
             drafter.release(scheduler_output.finished_req_ids)
             self.traces.finish(scheduler_output.finished_req_ids)
         self._begin_trace_step(scheduler_output)
+        drafter.scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         self._step_started = None
         if scheduler_output.total_num_scheduled_tokens:
             now = time.perf_counter()

@@ -241,3 +241,62 @@ def test_native_forward_falls_back_to_eager_unless_required(monkeypatch):
     assert not proposer.model.native
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         make_proposer(native_draft="on")
+
+
+def test_a_seeded_requests_draft_stream_goes_on_after_a_step_out_of_the_batch():
+    """A seeded request preempted or left out of a step keeps its draft generator (as vLLM keeps its own),
+    so the drafts it gets on its return are those of a run in which it never left: same tokens, same seed,
+    temperature 1. Its generator goes when it finishes."""
+    rng = np.random.default_rng(2)
+    prompt, other = list(rng.integers(VOCAB, size=20)), list(rng.integers(VOCAB, size=15))
+
+    def run(leaves: bool) -> list[list[int]]:
+        proposer = make_proposer(native_draft="off", draft_cache_dtype="float32")
+        batch = Batch()
+        proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
+        drafts = []
+
+        def step(req_ids, prompts):
+            batch.req_ids = req_ids
+            batch.generators = {0: torch.Generator().manual_seed(11)} if req_ids == ["b"] else {}
+            for row, tokens in enumerate(prompts):
+                batch.token_ids[row, : len(tokens)] = tokens
+            n = np.array([len(t) for t in prompts] + [0] * (SLOTS - len(prompts)))
+            return proposer.propose([[1]] * len(prompts), n, batch.token_ids)
+
+        drafts.append(step(["b"], [prompt])[0])
+        if leaves:
+            step(["a"], [other])  # b is out of the batch for a step
+        drafts.append(step(["b"], [prompt])[0])  # every draft rejected: the same tokens again
+        assert "b" in proposer.generators
+        proposer.release({"b"})
+        assert "b" not in proposer.generators
+        return drafts
+
+    stayed, left = run(leaves=False), run(leaves=True)
+    assert left == stayed
+    assert stayed[0] != stayed[1]  # the stream moved on: a restarted one would repeat the first drafts
+
+
+def test_acceptance_counts_only_the_drafts_the_scheduler_kept():
+    """The scheduler's token budget can cut a row's drafts (a prompt ahead of it in the step): of three
+    proposed it sent two, both accepted, and the row emitted three tokens. That is no rejection at the
+    third position, which was never tested; counting what was proposed would record one."""
+    rng = np.random.default_rng(3)
+    prompt = list(rng.integers(VOCAB, size=20))
+    proposer = make_proposer(native_draft="off", draft_cache_dtype="float32")
+    batch = Batch()
+    proposer.attach(SimpleNamespace(input_batch=batch, requests={}))
+    batch.req_ids = ["b"]
+    batch.token_ids[0, :20] = prompt
+    n = np.array([20] + [0] * (SLOTS - 1))
+    drafts = proposer.propose([[1]], n, batch.token_ids)[0]
+    assert len(drafts) == K == 3
+    tracker = proposer.policy.acceptance
+    before_tested, before_accepted = tracker.engine_tested.copy(), tracker.engine_accepted.copy()
+    proposer.scheduled_drafts = {"b": drafts[:2]}
+    batch.token_ids[0, 20:23] = drafts[:2] + [7]
+    proposer.propose([drafts[:2] + [7]], n + 3, batch.token_ids)
+    decay = tracker.engine_decay
+    np.testing.assert_allclose(tracker.engine_tested - before_tested * decay, [1, 1, 0])
+    np.testing.assert_allclose(tracker.engine_accepted - before_accepted * decay, [1, 1, 0])

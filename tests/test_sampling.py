@@ -69,6 +69,18 @@ def test_sample_from_draws_each_token_with_its_share_of_the_mass():
     assert chi_square_p_value(sample_from(flattened.expand(200_000, -1)).numpy(), weights.numpy()) < P_VALUE_FLOOR
 
 
+def test_a_token_far_below_two_to_the_minus_24_can_be_drawn():
+    """A float32 uniform is a multiple of 2^-24 (6e-8), so a token of mass 1e-9 whose interval lies
+    between two of its values could never be drawn. Here token 1's interval, 1e-9 wide and off that grid,
+    is put around the uniform a seeded row draws (seed 7): sample_from must return it."""
+    u = torch.rand(1, generator=torch.Generator().manual_seed(7), dtype=torch.float64).item()
+    grid = 2.0 ** -24
+    assert (u / grid) % 1 > 0.01  # the uniform itself lies off the float32 grid
+    start = u - 5e-10
+    probs = torch.tensor([[start, 1e-9, 1.0 - start - 1e-9]], dtype=torch.float64)
+    assert sample_from(probs, [torch.Generator().manual_seed(7)]).item() == 1
+
+
 def test_sample_from_a_seeded_row_reproduces_from_its_own_generator():
     probs = torch.softmax(torch.randn(3, 4096, generator=torch.Generator().manual_seed(3)), -1)
     first = sample_from(probs, [None, torch.Generator().manual_seed(5), None])

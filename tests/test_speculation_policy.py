@@ -336,6 +336,11 @@ def test_seeded_requests_draft_k_max_so_that_their_seed_reproduces_them():
     policy.force_costs({"per_draft_token": 1.0})
     k = policy.choose(np.array([True, True, False]), 3, pinned=np.array([False, True, True]))
     assert k.tolist() == [0, 4, 0]
+    # A forced K is as uniform as K_max, so it holds for seeded requests too (0: none drafts at all).
+    for forced in (0, 2):
+        policy.force_k(forced)
+        k = policy.choose(np.array([True, True, False]), 3, pinned=np.array([False, True, True]))
+        assert k.tolist() == [forced, forced, 0]
 
 
 def test_fixed_and_off_modes():

@@ -124,3 +124,65 @@ def test_all_greedy_batch(sampler):
     drafts = [[argmax[0], (argmax[1] + 1) % v, argmax[2]], [argmax[4], argmax[5]]]
     out = sampler(spec_metadata(drafts), None, logits.clone(), sampling_metadata([0.0, 0.0])).sampled_token_ids
     assert out.tolist() == [[argmax[0], argmax[1], -1, -1], [argmax[4], argmax[5], argmax[6], -1]]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_of_draft_positions_follow_the_logprobs_mode(mode):
+    """Top logprobs at every draft position: of the raw logits in raw mode; in processed mode of what the
+    position samples from (temperature 0.5, top-k 3), as vLLM's own verification and its bonus token give."""
+    from dataclasses import replace
+
+    v, k_top, drafts = 10, 2, [[1, 2, 3], [4]]
+    torch.manual_seed(3)
+    logits = torch.randn(3 + 1 + 1 + 1, v) * 2
+    meta = spec_metadata(drafts)
+    exact = ExactRejectionSampler(Sampler(logprobs_mode=mode))
+    sampling = replace(sampling_metadata([0.5, 0.5], top_k=[3, 3]), max_num_logprobs=k_top)
+    out = exact(meta, None, logits.clone(), sampling)
+    # Rows of the logprobs tensors: request by request, max_spec_len + 1 positions each (the sampled
+    # token's logprob first, then the top k_top).
+    top = out.logprobs_tensors.logprobs.view(len(drafts), meta.max_spec_len + 1, k_top + 1)[..., 1:]
+    positions = meta.target_logits_indices.long()
+    if mode == "raw_logprobs":
+        expected = logits[positions].log_softmax(-1)
+    else:
+        scaled = logits[positions] / 0.5
+        kept = scaled >= scaled.topk(3, dim=-1).values[:, -1:]
+        expected = scaled.masked_fill(~kept, float("-inf")).log_softmax(-1)
+    expected_top = expected.topk(k_top, dim=-1).values  # [num_draft_tokens, k_top]
+    got = torch.cat([top[0, :3], top[1, :1]])  # the draft positions of each request
+    torch.testing.assert_close(got, expected_top, rtol=1e-5, atol=1e-5)
+
+
+def test_each_request_is_verified_against_its_own_temperature_and_top_k(sampler):
+    """20,000 requests of two drafts each, alternating between temperature 0.7 and temperature 1.3 with
+    top-k 4, each request's drafts drawn from the draft's distribution under its own parameters: each
+    request's first emitted token follows the target's distribution under its own parameters (chi-square,
+    p-value above 1e-3, seed 8), and not the other group's (the same check would catch parameters laid
+    out per token in the wrong order, which gives every odd request its neighbour's)."""
+    n, k = 20_000, 2
+    groups = [(0.7, 10), (1.3, 4)]  # (temperature, top_k); top-k of the whole vocabulary is none, as vLLM writes it
+
+    def processed(probs: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+        logits = probs.log() / temperature
+        if top_k < len(probs):
+            logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
+        return logits.softmax(-1)
+
+    p = [processed(SEED_P, *g) for g in groups]
+    q = [processed(SEED_Q, *g) for g in groups]
+    group = torch.arange(n) % 2  # [n]
+    torch.manual_seed(8)
+    q_rows = torch.stack(q)[group]  # [n, V]
+    drafts = torch.multinomial(q_rows, k, replacement=True)  # [n, k]: drafts of a context-free target
+    draft_probs = q_rows.repeat_interleave(k, dim=0)  # [n * k, V] in the metadata's order
+    logits = SEED_P.log().expand(n * (k + 1), -1).contiguous()  # every position: p before processing
+    temperatures = [groups[g][0] for g in group.tolist()]
+    top_ks = [groups[g][1] for g in group.tolist()]
+    out = sampler(spec_metadata(drafts.tolist()), draft_probs, logits,
+                  sampling_metadata(temperatures, top_k=top_ks)).sampled_token_ids
+    first = out[:, 0].long().numpy()
+    for g in (0, 1):
+        mine = first[group.numpy() == g]
+        assert chi_square_p_value(mine, p[g].numpy()) > P_VALUE_FLOOR, groups[g]
+        assert chi_square_p_value(mine, p[1 - g].numpy()) < P_VALUE_FLOOR, groups[g]
