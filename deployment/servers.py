@@ -12,7 +12,9 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
+import time
 import uuid
 from typing import AsyncGenerator, Optional
 
@@ -31,6 +33,9 @@ from plugin.trace import TRACE_ARG, trace_document, wants_trace
 
 
 HEALTH_CHECK_TIMEOUT_S = 5.0
+# A model whose health check cannot get a place (its replicas at capacity, its queue full) is busy, not
+# broken, if it started answering a request this recently (`SpecServeIngress.health`).
+BUSY_ANSWERED_WITHIN_S = 30.0
 
 
 class SpecServeIngress(PlaygroundRoutes, IngressInternals):
@@ -38,6 +43,7 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
         super().__init__(*args, **kwargs)
         api_key_check.require(api_key_sha256)
         self.playground_settings = playground_settings or {}
+        self.answered_at: dict[str, float] = {}  # model -> when it last started a successful response (`health`)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self.admitted(functools.partial(super().completions, body, request), body.model)
@@ -50,11 +56,14 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
         take the request: 429 when its queue is still full after the grace (`within_queue_grace`), 503
         while its engine is being replaced (both with Retry-After) instead of a bare 500."""
         try:
-            return await within_queue_grace(respond)
+            response = await within_queue_grace(respond)
         except BackPressureError as exc:
             return overloaded(model, exc.status_code, exc.retry_after_s)
         except EngineDeadError:  # Ray raises RayTaskError(EngineDeadError), an instance of both
             return engine_restarting(model)
+        if response.status_code < 400:  # a stream returns once its first chunk has come: the engine moves
+            self.answered_at[model] = time.monotonic()
+        return response
 
     def unknown_model(self, exc: HTTPException) -> Exception:
         return OpenAIHTTPException(
@@ -64,25 +73,38 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
         )
 
     async def health(self) -> dict:
-        """200 once every model has a running replica whose engine does not fail its health check; 503
-        otherwise, at once: a request to a model without a running replica would wait for one.
+        """200 once every model has a running replica whose engine passes its health check; 503 otherwise,
+        at once: a request to a model without a running replica would wait for one. The models are asked
+        at the same time, each for up to HEALTH_CHECK_TIMEOUT_S.
 
         The check goes through the model's handle, which queues it like a request, so a busy model can
-        keep it waiting or refuse it (its queue full). That is load, not a fault: the replicas are RUNNING
-        because Serve's own health checks, which bypass the queue, pass; so only a check that fails (a
-        dead engine answers at once) makes the model unhealthy. A probe on /health must not take a node
-        out of service for being busy."""
+        keep it waiting past the timeout or refuse it (its queue full). That is load, not a fault, when the
+        model has started answering a request within BUSY_ANSWERED_WITHIN_S: a probe on /health must not
+        take a node out of service for being busy. A model that neither takes the check nor answers
+        requests is stuck (an engine that hangs without dying stays RUNNING to Serve's own checks)."""
         replicas = await self.replicas()
-        for model_id, handle in self.model_handles().items():
-            try:
-                if not replicas[model_id].get("RUNNING"):
-                    raise RuntimeError(f"no running replica ({replicas[model_id]})")
-                await asyncio.wait_for(handle.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
-            except (BackPressureError, asyncio.TimeoutError):
-                continue  # busy
-            except Exception as exc:  # noqa: BLE001 - any failure means not ready
-                raise OpenAIHTTPException(503, f"model {model_id} is not healthy: {exc!r}", "ServiceUnavailable")
+        handles = self.model_handles()
+        failures = await asyncio.gather(*(self._unhealthy(model_id, handle, replicas[model_id])
+                                          for model_id, handle in handles.items()))
+        for model_id, failure in zip(handles, failures):
+            if failure:
+                raise OpenAIHTTPException(503, f"model {model_id} is not healthy: {failure}", "ServiceUnavailable")
         return {"status": "ok", "models": self.model_ids()}
+
+    async def _unhealthy(self, model_id: str, handle, replicas: dict) -> Optional[str]:
+        """Why the model is not healthy (`health`), or None."""
+        if not replicas.get("RUNNING"):
+            return f"no running replica ({replicas})"
+        try:
+            await asyncio.wait_for(handle.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
+        except (BackPressureError, asyncio.TimeoutError) as exc:
+            if time.monotonic() - self.answered_at.get(model_id, -math.inf) < BUSY_ANSWERED_WITHIN_S:
+                return None  # busy
+            return (f"its health check found no place ({type(exc).__name__}) and it answered no request in the "
+                    f"last {BUSY_ANSWERED_WITHIN_S:.0f} s")
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            return repr(exc)
+        return None
 
     async def speculation_stats(self, model: Optional[str] = None) -> dict:
         """Each model's speculator counters (one replica each asked; `?model=` asks that model alone, and

@@ -71,6 +71,12 @@ class CatchUp:
         return self.k > 0
 
 
+def _leading_drafts(tokens) -> int:
+    """How many of a request's scheduled draft tokens are drafts: the scheduler pads a request that has
+    one token left to compute with -1 placeholders (vLLM's `pad_spec_decode`), which verification skips."""
+    return next((i for i, token in enumerate(tokens) if token < 0), len(tokens))
+
+
 class DraftProposer:
     """The draft model, its KV cache (rows follow vLLM's batch rows) and per-request draft generators.
     vLLM builds it as `DraftProposer(vllm_config)` and calls `load_model` then `propose` every step;
@@ -270,7 +276,7 @@ class DraftProposer:
         rows = len(emitted)
         verified = self.proposed[:rows]
         if self.scheduled_drafts is not None:
-            verified = np.fromiter((len(self.scheduled_drafts.get(req_id, ())) for req_id in req_ids[:rows]),
+            verified = np.fromiter((_leading_drafts(self.scheduled_drafts.get(req_id, ())) for req_id in req_ids[:rows]),
                                    dtype=np.int64, count=rows)
         self.policy.acceptance.record(np.where(emitted > 0, verified, 0), np.maximum(emitted - 1, 0))
 

@@ -89,7 +89,12 @@ def processed_probs(
 ) -> torch.Tensor:
     """Logits [N, V] to the distribution each row samples from: temperature, then top-k, then top-p.
     Rows with temperature 0 are greedy and get a one-hot at their argmax."""
-    probs = processed_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return probs_of(processed_logits(logits, temperature, top_k, top_p), logits, temperature)
+
+
+def probs_of(processed: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`processed_probs` from the rows' processed logits [N, V] (`processed_logits`) and their logits [N, V]."""
+    probs = processed.softmax(dim=-1)
     greedy = temperature <= _EPS
     if greedy.any():
         one_hot = torch.zeros_like(probs).scatter_(-1, argmax(logits.float()).unsqueeze(-1), 1.0)

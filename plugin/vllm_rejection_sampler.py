@@ -21,7 +21,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from plugin import _vllm_internals as internals
-from plugin.sampling import argmax, greedy_verify, pad_ragged, processed_logits, processed_probs, rejection_sample
+from plugin.sampling import argmax, greedy_verify, pad_ragged, probs_of, processed_logits, rejection_sample
 
 HONOURED_METHODS = ("standard",)
 
@@ -97,7 +97,8 @@ class ExactRejectionSampler(RejectionSampler):
             output_token_ids, _ = greedy_verify(drafts, target_argmax)
         else:
             temperature = sampling_metadata.temperature
-            target_probs = processed_probs(target_logits, *per_token)
+            processed = processed_logits(target_logits, *per_token)  # [num_draft_tokens, vocab]
+            target_probs = probs_of(processed, target_logits, per_token[0])
             # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
             padded_target = pad_ragged(target_probs, num_draft, width + 1)  # [batch, width + 1, vocab]
             padded_target[rows, bonus_at] = torch.nn.functional.one_hot(bonus_token_ids, target_probs.size(-1)).float()
@@ -110,13 +111,11 @@ class ExactRejectionSampler(RejectionSampler):
         if sampling_metadata.max_num_logprobs is not None:
             if not self.is_processed_logprobs_mode:
                 logprob_logits = raw_target_logits
-            elif all_greedy:
-                logprob_logits = target_logits
             else:
                 # Processed logprobs are of what each position samples from, temperature, top-k and top-p
                 # applied, as the bonus token's are and as vLLM's own verification passes them (its
-                # `apply_sampling_constraints`, a Triton kernel that a CPU has not).
-                logprob_logits = processed_logits(target_logits, *per_token)
+                # `apply_sampling_constraints`, a Triton kernel that a CPU has not); greedy: the logits.
+                logprob_logits = target_logits if all_greedy else processed
             logprobs_tensors = internals.logprobs_tensors(
                 self,
                 sampling_metadata.max_num_logprobs,

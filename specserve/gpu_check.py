@@ -5,8 +5,9 @@ repository travels, the shipped draft included): `scripts/gpu-check.sh`. It runs
 shrinks it), which is how the test suite keeps it working.
 
 1. Exactness on the device: the seeds' 10-token example, N draws of one draft token x ~ q verified
-   against p; the first emitted token must follow p (max deviation < 0.005 at 1e5 draws, chi-square
-   p > 1e-3) and the acceptance rate must be alpha = sum(min(p, q)) = 0.85.
+   against p; the first emitted token must follow p (max deviation < 0.005 at 1e5 draws, wider as
+   1 / sqrt(N) for fewer, chi-square p > 1e-3) and the acceptance rate must be alpha = sum(min(p, q)) =
+   0.85 within the same tolerance.
 2. The exact sampler's time per verification step (K = 4) against plain softmax + multinomial of the
    same logits, at batch 1 to 64 with a 152k vocabulary (Qwen2.5's).
 3. The shipped draft's one-token decode step, eager against compiled (CUDA graphs on CUDA), float32:
@@ -47,9 +48,16 @@ def exactness(device: torch.device, draws: int) -> dict:
         p_value = float("nan")
     alpha = acceptance_rate(SEED_P, SEED_Q).item()
     acceptance = accepted.float().mean().item()
-    passed = deviation < 0.005 and not p_value < 1e-3 and abs(acceptance - alpha) < 0.005
+    passed = deviation < tolerance(draws) and not p_value < 1e-3 and abs(acceptance - alpha) < tolerance(draws)
     return {"draws": draws, "max_deviation": deviation, "chi2_p": p_value, "acceptance": acceptance,
-            "alpha": alpha, "passed": passed}
+            "alpha": alpha, "tolerance": tolerance(draws), "passed": passed}
+
+
+def tolerance(draws: int) -> float:
+    """0.005 at 1e5 draws (3.4 standard deviations of the largest cell, p = 0.3; 4.4 of the acceptance
+    rate), widened as 1 / sqrt(draws) for fewer: the same number of standard deviations (0.011 at the
+    quick run's 20,000, where 0.005 was 1.5 and failed by chance on some seeds)."""
+    return 0.005 * (100_000 / draws) ** 0.5
 
 
 def sampler_times(device: torch.device, batches: list[int], vocab: int, iters: int) -> list[dict]:
@@ -112,7 +120,8 @@ def main(argv=None) -> int:
     result["exactness"] = exactness(device, 20_000 if quick else 100_000)
     e = result["exactness"]
     print(f"\n1. exactness, seeds' example, {e['draws']:,} draws: max |freq - p| {e['max_deviation']:.4f}, "
-          f"chi-square p {e['chi2_p']:.3g}, acceptance {e['acceptance']:.4f} (alpha {e['alpha']:.2f}): "
+          f"chi-square p {e['chi2_p']:.3g}, acceptance {e['acceptance']:.4f} (alpha {e['alpha']:.2f}; "
+          f"tolerance {e['tolerance']:.4f}): "
           f"{'PASS' if e['passed'] else 'FAIL'}", flush=True)
 
     batches = [1, 4, 16] if quick else [1, 4, 16, 64]

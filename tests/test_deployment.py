@@ -212,12 +212,13 @@ def test_prometheus_counters_only_go_up_by_what_the_engine_gained():
     assert counter.calls == [(5, {"model": "m", "drafted": "true"}), (7, {"model": "m", "drafted": "true"})]
 
 
-def test_health_is_not_lost_to_load_but_is_to_a_failing_engine(monkeypatch):
-    """/health asks each model's engine through its handle, which queues the check like a request: a
-    model whose queue is full (BackPressureError) or that has no slot free within the timeout is busy,
-    and stays healthy; an engine whose check fails, or a model with no running replica, is not."""
+def test_health_is_not_lost_to_load_but_is_to_a_failing_or_stuck_engine(monkeypatch):
+    """/health asks each model's engine through its handle, which queues the check like a request. A
+    model whose queue is full (BackPressureError) or that has no place free within the timeout is busy,
+    and stays healthy, while it answers requests; one that answered none lately is stuck. An engine whose
+    check fails, or a model with no running replica, is not healthy either."""
     import asyncio
-    from types import SimpleNamespace
+    import time
 
     from ray.serve.exceptions import BackPressureError
 
@@ -226,11 +227,15 @@ def test_health_is_not_lost_to_load_but_is_to_a_failing_engine(monkeypatch):
 
     monkeypatch.setattr(servers, "HEALTH_CHECK_TIMEOUT_S", 0.05)
 
-    def ingress(check, running=1):
+    def health(check, running=1, answered_s_ago=None):
+        ingress = object.__new__(servers.SpecServeIngress)
+
         async def replicas():
             return {"m": {"RUNNING": running}}
-        handle = SimpleNamespace(check_health=SimpleNamespace(remote=check))
-        return SimpleNamespace(replicas=replicas, model_handles=lambda: {"m": handle}, model_ids=lambda: ["m"])
+        handle = type("Handle", (), {"check_health": type("Method", (), {"remote": staticmethod(check)})})
+        ingress.replicas, ingress.model_handles, ingress.model_ids = replicas, lambda: {"m": handle}, lambda: ["m"]
+        ingress.answered_at = {} if answered_s_ago is None else {"m": time.monotonic() - answered_s_ago}
+        return asyncio.run(ingress.health())
 
     async def answers():
         return None
@@ -238,19 +243,20 @@ def test_health_is_not_lost_to_load_but_is_to_a_failing_engine(monkeypatch):
     async def queue_full():
         raise BackPressureError(num_queued_requests=64, max_queued_requests=64)
 
-    async def no_slot_free():
+    async def no_place_free():
         await asyncio.sleep(10)
 
     async def engine_dead():
         raise RuntimeError("EngineDeadError")
 
-    def health(check, running=1):
-        return asyncio.run(servers.SpecServeIngress.health(ingress(check, running)))
-
-    for busy in (answers, queue_full, no_slot_free):
-        assert health(busy)["status"] == "ok", busy.__name__
+    assert health(answers)["status"] == "ok"
+    for busy in (queue_full, no_place_free):
+        assert health(busy, answered_s_ago=1)["status"] == "ok", busy.__name__
+        for stuck in (None, servers.BUSY_ANSWERED_WITHIN_S + 1):
+            with pytest.raises(OpenAIHTTPException, match="answered no request"):
+                health(busy, answered_s_ago=stuck)
     with pytest.raises(OpenAIHTTPException, match="not healthy.*EngineDeadError"):
-        health(engine_dead)
+        health(engine_dead, answered_s_ago=1)
     with pytest.raises(OpenAIHTTPException, match="no running replica"):
         health(answers, running=0)
 

@@ -300,3 +300,9 @@ def test_acceptance_counts_only_the_drafts_the_scheduler_kept():
     decay = tracker.engine_decay
     np.testing.assert_allclose(tracker.engine_tested - before_tested * decay, [1, 1, 0])
     np.testing.assert_allclose(tracker.engine_accepted - before_accepted * decay, [1, 1, 0])
+    # Placeholders (-1) that the scheduler pads a request with are no drafts: nothing tested.
+    before_tested = tracker.engine_tested.copy()
+    proposer.scheduled_drafts = {"b": [-1, -1, -1]}
+    batch.token_ids[0, 23] = 9
+    proposer.propose([[9]], n + 4, batch.token_ids)
+    np.testing.assert_allclose(tracker.engine_tested, before_tested * decay)
