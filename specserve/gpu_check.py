@@ -48,9 +48,10 @@ def exactness(device: torch.device, draws: int) -> dict:
         p_value = float("nan")
     alpha = acceptance_rate(SEED_P, SEED_Q).item()
     acceptance = accepted.float().mean().item()
-    passed = deviation < tolerance(draws) and not p_value < 1e-3 and abs(acceptance - alpha) < tolerance(draws)
+    bound = tolerance(draws)
+    passed = deviation < bound and not p_value < 1e-3 and abs(acceptance - alpha) < bound
     return {"draws": draws, "max_deviation": deviation, "chi2_p": p_value, "acceptance": acceptance,
-            "alpha": alpha, "tolerance": tolerance(draws), "passed": passed}
+            "alpha": alpha, "tolerance": bound, "passed": passed}
 
 
 def tolerance(draws: int) -> float:
