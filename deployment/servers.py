@@ -106,13 +106,19 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
             return repr(exc)
         return None
 
-    async def speculation_stats(self, model: Optional[str] = None) -> dict:
-        """Each model's speculator counters (one replica each asked; `?model=` asks that model alone, and
-        wakes no other engine's worker); {"enabled": false} for the baseline."""
+    async def speculation_stats(self, model: Optional[str] = None, every_replica: bool = False) -> dict:
+        """Each model's speculator counters, from one of its replicas ({"enabled": false} for the
+        baseline); `?model=` asks that model alone, and wakes no other engine's worker. With
+        `?every_replica=true`, each model's running replicas by their tag ({model: {tag: counters}}):
+        counters are per engine, and an autoscaled model's work is spread over several."""
         if model is not None:
             await self._get_model_id(model)  # the ingress's own lookup: an unknown model is its OpenAI-style 404
-        return {model_id: await handle.speculation_stats.remote()
-                for model_id, handle in self.model_handles().items() if model in (None, model_id)}
+        handles = {model_id: handle for model_id, handle in self.model_handles().items() if model in (None, model_id)}
+        if not every_replica:
+            return {model_id: await handle.speculation_stats.remote() for model_id, handle in handles.items()}
+        replicas = await self.replicas()
+        return {model_id: await _every_replica_stats(handle, replicas[model_id].get("RUNNING", 0))
+                for model_id, handle in handles.items()}
 
     async def replicas(self) -> dict:
         """Each model's replicas by state (RUNNING, STARTING, STOPPING, ...), from Serve's status."""
@@ -217,7 +223,7 @@ class SpecServeLLMServer(LLMServer):
         stats = {"enabled": False}
         if config and config.engine_kwargs.get("speculative_config"):
             stats = (await self.collective_rpc("specserve_stats"))[0]
-        return stats | replica_processes()
+        return stats | {"replica": serve.get_replica_context().replica_tag} | replica_processes()
 
     async def check_health(self) -> None:
         """Serve's health check. A dead vLLM engine never comes back in this process, and Serve replaces
@@ -232,6 +238,25 @@ class SpecServeLLMServer(LLMServer):
     async def start(self):
         await super().start()
         self._metrics_task = asyncio.get_running_loop().create_task(publish_speculation_metrics(self))
+
+
+EVERY_REPLICA_WAVES = 8
+
+
+async def _every_replica_stats(handle, running: int) -> dict:
+    """The speculation stats of each of a model's running replicas, by replica tag. Serve routes a call to
+    a replica of its router's choosing and offers no public call to a named one; calls made at once
+    spread over the replicas (its router sends each to the shorter of two queues), so they go out in
+    waves of one more than the replicas running until every one has answered, at most
+    EVERY_REPLICA_WAVES waves (a replica that started meanwhile may answer too; one that never did is
+    missing, as the caller can tell from the count)."""
+    seen: dict = {}
+    for _ in range(EVERY_REPLICA_WAVES):
+        answers = await asyncio.gather(*(handle.speculation_stats.remote() for _ in range(running + 1)))
+        seen |= {answer["replica"]: answer for answer in answers}
+        if len(seen) >= running:
+            break
+    return seen
 
 
 _background: set = set()  # tasks that must not be garbage-collected before they run

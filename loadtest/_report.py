@@ -101,27 +101,59 @@ def speedups(summary: dict) -> dict:
         crossover = next((c for c in levels if rows[c]["p50_e2e_speedup"] < 1.0), None)
         by_target[target] = {"by_concurrency": rows, "crossover_concurrency": crossover}
     main = by_target.get("speculative", {"by_concurrency": {}, "crossover_concurrency": None})
-    return {**main, "by_target": by_target}
+    return {**main, "by_target": by_target, "speculative_against": speculative_against(summary)}
+
+
+def speculative_against(summary: dict) -> dict:
+    """The speculative model's throughput over each other speculative target's (`--compare`: the fixed-K
+    variants), per concurrency: pooled over the rounds, each round's (measured minutes apart, within one
+    round: the machine's drift between rounds cancels) and their median, which one round that a burst
+    of noise hit does not move."""
+    spec = summary.get("speculative", {})
+    against = {}
+    for target in summary:
+        if target in ("speculative", BASELINE, BASELINE_REPEAT):
+            continue
+        rows = {}
+        for c in sorted(set(spec) & set(summary[target])):
+            mine, theirs = spec[c], summary[target][c]
+            by_round = {r: tps / theirs["output_tokens_per_s_by_round"][r]
+                        for r, tps in mine.get("output_tokens_per_s_by_round", {}).items()
+                        if theirs.get("output_tokens_per_s_by_round", {}).get(r)}
+            rows[c] = {"throughput_ratio": mine["output_tokens_per_s"] / theirs["output_tokens_per_s"],
+                       "throughput_ratio_by_round": by_round,
+                       "median_by_round": float(np.median(list(by_round.values()))) if by_round else None}
+        against[target] = rows
+    return against
 
 
 COST_MODEL_KEYS = ("target_cost_ms", "draft_cost_ms", "engine_cost_ms", "engine_acceptance_per_position")
 
 
 def engine_counters(before: dict, after: dict) -> dict:
-    """What a speculative engine did during one level, from its /v1/specserve/stats before and after:
-    the chosen-K histogram (request-steps per K), the share of engine steps in which any request
-    drafted, and the share of finished requests that drafted at least once."""
-    def gained(key):
-        return after[key] - before[key]
-
-    histogram = [a - b for a, b in zip(after["chosen_k_histogram"], before["chosen_k_histogram"])]
+    """What a speculative model's engines did during one level, from each replica's /v1/specserve/stats
+    before and after ({replica tag: stats}), summed over the replicas: the chosen-K histogram
+    (request-steps per K), the share of engine steps in which any request drafted, and the share of
+    finished requests that drafted at least once. A replica that started during the level counts from
+    zero; one that stopped took its counts with it (`replicas_lost`)."""
+    counters = ("chosen_k_histogram", "steps", "steps_drafted", "finished_requests", "finished_requests_drafted")
+    gained = {}  # replica tag -> what its counters gained
+    for tag, now in after.items():
+        was = before.get(tag) or {}
+        gained[tag] = {key: np.subtract(now[key], was.get(key, 0)) for key in counters}
+    total = {key: sum(g[key] for g in gained.values()) for key in counters}
+    histogram = [int(n) for n in total["chosen_k_histogram"]] if gained else []
+    # the adaptive policy's fitted step costs at the level's end, from the replica that ran most steps
+    busiest = max(gained, key=lambda tag: gained[tag]["steps"], default=None)
+    lost = sorted(set(before) - set(after))
     return {
         "k_histogram": histogram,
         "mean_k": sum(k * n for k, n in enumerate(histogram)) / max(sum(histogram), 1),
-        "drafted_step_share": gained("steps_drafted") / max(gained("steps"), 1),
-        "drafted_request_share": gained("finished_requests_drafted") / max(gained("finished_requests"), 1),
-        # the adaptive policy's fitted step costs at the level's end, for reading its choices afterwards
-        **{key: after[key] for key in COST_MODEL_KEYS if key in after},
+        "drafted_step_share": float(total["steps_drafted"] / max(total["steps"], 1)),
+        "drafted_request_share": float(total["finished_requests_drafted"] / max(total["finished_requests"], 1)),
+        "replicas": len(after),
+        **({"replicas_lost": lost} if lost else {}),
+        **{key: after[busiest][key] for key in COST_MODEL_KEYS if busiest is not None and key in after[busiest]},
     }
 
 
@@ -196,6 +228,15 @@ def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
             rounds = " / ".join(f"{x:.2f}" for x in r.get("throughput_ratio_by_round", {}).values()) or "-"
             lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {rounds} | {r['p50_e2e_speedup']:.2f}x | "
                          f"{r['p95_e2e_speedup']:.2f}x |")
+    if speed.get("speculative_against"):
+        lines += ["", "The speculative model against each compared one (its throughput over theirs: pooled, each "
+                  "round's within that round, and the median of the rounds', which drift between rounds does not move):", "",
+                  "| against | concurrency | throughput | by round | median of rounds |", "|---|---|---|---|---|"]
+        for target, rows in speed["speculative_against"].items():
+            for c, r in rows.items():
+                rounds = " / ".join(f"{x:.2f}" for x in r["throughput_ratio_by_round"].values()) or "-"
+                median = "-" if r["median_by_round"] is None else f"{r['median_by_round']:.2f}x"
+                lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {rounds} | {median} |")
     if BASELINE_REPEAT in speed["by_target"]:
         lines += ["", f"The {BASELINE_REPEAT} rows are the same baseline measured again: their distance from 1.00x "
                   "is this machine's noise."]

@@ -11,7 +11,7 @@ runs every target R times, each round in an order of its own: one 30 s window pe
 the 5% that separates close policies, and R rounds pool R windows' requests. For each speculative target
 the engine's own counters (/v1/specserve/stats) are read before and after every level: the chosen-K
 histogram and the shares of steps and requests that drafted come from the engine, since the per-request
-HTTP summary leaves out steps without drafts."""
+HTTP summary leaves out steps without drafts; an autoscaled model's are summed over its replicas."""
 
 import argparse
 import csv
@@ -65,6 +65,17 @@ def speculation_stats(url: str, model: str) -> dict | None:
     except httpx.HTTPError:
         return None
     return stats if stats and stats.get("enabled") else None
+
+
+def replica_counters(url: str, model: str) -> dict | None:
+    """Each running replica's engine counters by replica tag (`/v1/specserve/stats?every_replica=true`),
+    or None when the model does not speculate: an autoscaled model's work is spread over its replicas."""
+    try:
+        replicas = httpx.get(f"{url}/v1/specserve/stats", params={"model": model, "every_replica": "true"},
+                             headers=auth_headers(), timeout=60).raise_for_status().json().get(model)
+    except httpx.HTTPError:
+        return None
+    return replicas if replicas and all(r.get("enabled") for r in replicas.values()) else None
 
 
 def policy_label(stats: dict) -> str:
@@ -149,12 +160,12 @@ def main(args) -> int:
         for c, r, (label, user_class, model) in measurement_order(targets, args.concurrency, rounds=args.rounds):
             log(f"{label} ({model}): concurrency {c} for {args.duration} s, round {r + 1} of {args.rounds}")
             if r == 0:
-                before[label, c] = speculation_stats(args.host, model)
+                before[label, c] = replica_counters(args.host, model)
             run_level(out, args.host, label, c, args.duration, args, user_class, model, r)
             # Each target has an engine of its own, idle while the others run: its counters from before
             # its first round to after its last are its rounds' alone.
             if r == args.rounds - 1 and before[label, c] is not None:
-                engine.setdefault(label, {})[c] = engine_counters(before[label, c], speculation_stats(args.host, model))
+                engine.setdefault(label, {})[c] = engine_counters(before[label, c], replica_counters(args.host, model) or {})
         for label, _, model in targets:
             memory[label]["at_end_bytes"] = replica_memory_bytes(args.host, model)
         spec_stats = speculation_stats(args.host, args.speculative_model) or {}

@@ -140,13 +140,22 @@ def test_comparison_targets_noise_band_and_engine_counters():
     assert speed["by_target"]["specserve-k2"]["by_concurrency"][1]["p50_e2e_speedup"] == 2.0
     assert speed["by_target"]["baseline-repeat"]["by_concurrency"][1]["p95_e2e_speedup"] == 1.0
     assert speed["by_concurrency"] == speed["by_target"]["speculative"]["by_concurrency"]
-    before = {"chosen_k_histogram": [5, 0, 10], "steps": 10, "steps_drafted": 5, "finished_requests": 2,
-              "finished_requests_drafted": 1}
-    after = {"chosen_k_histogram": [15, 10, 10], "steps": 30, "steps_drafted": 10, "finished_requests": 6,
-             "finished_requests_drafted": 4}
+    before = {"r1": {"chosen_k_histogram": [5, 0, 10], "steps": 10, "steps_drafted": 5, "finished_requests": 2,
+                     "finished_requests_drafted": 1}}
+    after = {"r1": {"chosen_k_histogram": [15, 10, 10], "steps": 30, "steps_drafted": 10, "finished_requests": 6,
+                    "finished_requests_drafted": 4, "engine_cost_ms": "r1's"}}
     counters = engine_counters(before, after)
     assert counters == {"k_histogram": [10, 10, 0], "mean_k": 0.5, "drafted_step_share": 0.25,
-                        "drafted_request_share": 0.75}
+                        "drafted_request_share": 0.75, "replicas": 1, "engine_cost_ms": "r1's"}
+    # Autoscaled: a replica that started during the level counts from zero and adds to the first; the
+    # cost model comes from the replica that ran more steps; one that stopped is named as lost.
+    after["r2"] = {"chosen_k_histogram": [0, 0, 30], "steps": 30, "steps_drafted": 30, "finished_requests": 4,
+                   "finished_requests_drafted": 4, "engine_cost_ms": "r2's"}
+    before["r0"] = before["r1"]
+    counters = engine_counters(before, after)
+    assert counters == {"k_histogram": [10, 10, 30], "mean_k": 1.4, "drafted_step_share": 35 / 50,
+                        "drafted_request_share": 7 / 8, "replicas": 2, "replicas_lost": ["r0"],
+                        "engine_cost_ms": "r2's"}
 
 
 def test_charts_read_in_a_minute(tmp_path):
@@ -209,6 +218,25 @@ def test_rounds_pool_requests_add_windows_and_pair_each_round_with_the_baselines
     by_round = speedups(s)["by_concurrency"][1]["throughput_ratio_by_round"]
     assert by_round == {0: pytest.approx(2.0), 1: pytest.approx(1.0)}
     assert summarize(FIXED)["speculative"][1]["output_tokens_per_s_by_round"] == {0: 50.0}  # samples without a round
+
+
+def test_the_speculative_model_against_each_compared_one_round_by_round():
+    """The default against a fixed-K variant: pooled, each round within that round, and the rounds'
+    median, which one round's outlier does not move; the report prints them."""
+    from loadtest._report import markdown
+
+    def rounds(target, e2es):  # round r: one request of e2e s at t = 1000 r (100 tokens in e2e s)
+        return [sample(target, 1, e, start=1000.0 * r) | {"round": r} for r, e in enumerate(e2es)]
+
+    samples = (rounds("speculative", (2.0, 2.0, 1.0)) + rounds("specserve-k6", (2.0, 2.2, 4.0))
+               + rounds("baseline", (4.0, 4.0, 4.0)) + rounds("baseline-repeat", (4.0, 4.0, 4.0)))
+    speed = speedups(summarize(samples))
+    assert set(speed["speculative_against"]) == {"specserve-k6"}  # neither baseline
+    k6 = speed["speculative_against"]["specserve-k6"][1]
+    assert k6["throughput_ratio_by_round"] == {0: pytest.approx(1.0), 1: pytest.approx(1.1), 2: pytest.approx(4.0)}
+    assert k6["median_by_round"] == pytest.approx(1.1)
+    assert k6["throughput_ratio"] == pytest.approx((300 / 5.0) / (300 / 8.2))
+    assert "| specserve-k6 | 1 | 1.64x | 1.00 / 1.10 / 4.00 | 1.10x |" in markdown(summarize(samples), speed, None, {})
 
 
 def test_the_title_names_the_k_policy_with_its_request_speed_floor():

@@ -189,6 +189,9 @@ def test_scale_out_under_load_and_back_in_without_failures(app, tmp_path):
     while running() < 2:
         assert time.monotonic() < deadline, "no second speculative replica under load"
         time.sleep(2)
+    # Each replica's engine counters, as `specserve loadtest` sums them: both replicas answer.
+    replicas = get(app, "/v1/specserve/stats", params={"model": SPEC, "every_replica": "true"}).json()[SPEC]
+    assert len(replicas) == 2 and all(r["enabled"] and r["replica"] == tag for tag, r in replicas.items()), replicas
     finish(run, timeout=360)  # the rest of the 240 s load and Locust's stop
     deadline = time.monotonic() + 120
     while running() > 1:
