@@ -93,15 +93,20 @@ def speedups(summary: dict) -> dict:
                 "p95_e2e_speedup": base["p95_e2e_s"] / spec["p95_e2e_s"],
                 "throughput_ratio": spec["output_tokens_per_s"] / base["output_tokens_per_s"],
                 # each round against the baseline's same round (measured minutes apart, not an hour)
-                "throughput_ratio_by_round": {
-                    r: tps / base["output_tokens_per_s_by_round"][r]
-                    for r, tps in spec.get("output_tokens_per_s_by_round", {}).items()
-                    if r in base.get("output_tokens_per_s_by_round", {})},
+                "throughput_ratio_by_round": _throughput_ratio_by_round(spec, base),
             }
         crossover = next((c for c in levels if rows[c]["p50_e2e_speedup"] < 1.0), None)
         by_target[target] = {"by_concurrency": rows, "crossover_concurrency": crossover}
     main = by_target.get("speculative", {"by_concurrency": {}, "crossover_concurrency": None})
     return {**main, "by_target": by_target, "speculative_against": speculative_against(summary)}
+
+
+def _throughput_ratio_by_round(mine: dict, theirs: dict) -> dict:
+    """One level's throughput over another target's at the same level, round by round (each within its
+    round), for the rounds both ran and in which the other emitted tokens."""
+    their_rounds = theirs.get("output_tokens_per_s_by_round", {})
+    return {r: tps / their_rounds[r] for r, tps in mine.get("output_tokens_per_s_by_round", {}).items()
+            if their_rounds.get(r)}
 
 
 def speculative_against(summary: dict) -> dict:
@@ -117,9 +122,7 @@ def speculative_against(summary: dict) -> dict:
         rows = {}
         for c in sorted(set(spec) & set(summary[target])):
             mine, theirs = spec[c], summary[target][c]
-            by_round = {r: tps / theirs["output_tokens_per_s_by_round"][r]
-                        for r, tps in mine.get("output_tokens_per_s_by_round", {}).items()
-                        if theirs.get("output_tokens_per_s_by_round", {}).get(r)}
+            by_round = _throughput_ratio_by_round(mine, theirs)
             rows[c] = {"throughput_ratio": mine["output_tokens_per_s"] / theirs["output_tokens_per_s"],
                        "throughput_ratio_by_round": by_round,
                        "median_by_round": float(np.median(list(by_round.values()))) if by_round else None}

@@ -56,23 +56,27 @@ def measurement_order(targets: list, levels: list[int], seed: int = 0, rounds: i
     return order
 
 
+def one_model_stats(url: str, model: str, timeout_s: float = 30, **params) -> dict:
+    """This model's entry of /v1/specserve/stats ({} when absent). Only this model is asked: asking wakes
+    an engine's worker, which would then spin beside the one measured."""
+    return httpx.get(f"{url}/v1/specserve/stats", params={"model": model, **params}, headers=auth_headers(),
+                     timeout=timeout_s).raise_for_status().json().get(model) or {}
+
+
 def speculation_stats(url: str, model: str) -> dict | None:
-    """The model's engine counters from /v1/specserve/stats, or None when it does not speculate. Only
-    this model is asked: asking wakes an engine's worker, which would then spin beside the one measured."""
+    """The model's engine counters from one of its replicas, or None when it does not speculate."""
     try:
-        stats = httpx.get(f"{url}/v1/specserve/stats", params={"model": model}, headers=auth_headers(),
-                          timeout=30).raise_for_status().json().get(model)
+        stats = one_model_stats(url, model)
     except httpx.HTTPError:
         return None
-    return stats if stats and stats.get("enabled") else None
+    return stats if stats.get("enabled") else None
 
 
 def replica_counters(url: str, model: str) -> dict | None:
-    """Each running replica's engine counters by replica tag (`/v1/specserve/stats?every_replica=true`),
-    or None when the model does not speculate: an autoscaled model's work is spread over its replicas."""
+    """Each running replica's engine counters by replica tag (`?every_replica=true`), or None when the
+    model does not speculate: an autoscaled model's work is spread over its replicas."""
     try:
-        replicas = httpx.get(f"{url}/v1/specserve/stats", params={"model": model, "every_replica": "true"},
-                             headers=auth_headers(), timeout=60).raise_for_status().json().get(model)
+        replicas = one_model_stats(url, model, timeout_s=60, every_replica="true")
     except httpx.HTTPError:
         return None
     return replicas if replicas and all(r.get("enabled") for r in replicas.values()) else None
@@ -86,9 +90,9 @@ def policy_label(stats: dict) -> str:
     return f"{stats.get('k_policy', '?')} ({', '.join(details)})"
 
 
-def models_label(url: str, model: str) -> str:
-    """'target <name> / draft <name>' from the speculative engine's settings, for the charts' title."""
-    stats = speculation_stats(url, model) or {}
+def models_label(stats: dict, model: str) -> str:
+    """'target <name> / draft <name>' from the speculative engine's settings (its stats), for the charts'
+    title; the model id where they are unknown."""
     names = {k: "/".join(Path(v).parts[-2:]) for k, v in (stats.get("models") or {}).items()}
     return f"target {names.get('target', '?')} / draft {names.get('draft', '?')}" if names else model
 
@@ -99,11 +103,8 @@ def log(msg: str) -> None:
 
 def replica_memory_bytes(url: str, model: str) -> int:
     """Resident memory of the model's replica with its engine processes (one replica asked, from
-    /v1/specserve/stats): works against a remote application too. The model measured alone, as in
-    `speculation_stats`, so that no other engine is woken."""
-    stats = httpx.get(f"{url}/v1/specserve/stats", params={"model": model}, headers=auth_headers(),
-                      timeout=30).raise_for_status().json()
-    return stats.get(model, {}).get("replica_memory_bytes", 0)
+    /v1/specserve/stats): works against a remote application too."""
+    return one_model_stats(url, model).get("replica_memory_bytes", 0)
 
 
 def warm_up(url: str, model: str) -> None:
@@ -169,7 +170,7 @@ def main(args) -> int:
         for label, _, model in targets:
             memory[label]["at_end_bytes"] = replica_memory_bytes(args.host, model)
         spec_stats = speculation_stats(args.host, args.speculative_model) or {}
-        title_models = models_label(args.host, args.speculative_model)
+        title_models = models_label(spec_stats, args.speculative_model)
     finally:
         if server is not None:
             log("stopping the application it started")

@@ -129,6 +129,23 @@ def test_short_headless_locust_run(serve_app, tmp_path):
     assert int(rows[("POST", "baseline /v1/completions")]["Failure Count"]) == 0
 
 
+@pytest.mark.slow
+def test_the_load_test_reads_each_replicas_counters_from_the_served_route(serve_app):
+    """What `specserve loadtest` reads from /v1/specserve/stats of the real application: the speculative
+    model's counters by replica tag (one replica here), which `engine_counters` sums; nothing for the
+    baseline, which does not speculate; each replica's memory; the models for the title."""
+    from deployment.defaults import BASELINE_MODEL_ID, SPECULATIVE_MODEL_ID
+    from loadtest._report import engine_counters
+    from specserve.loadtest_runner import models_label, replica_counters, replica_memory_bytes, speculation_stats
+
+    (tag, stats), = replica_counters(serve_app, SPECULATIVE_MODEL_ID).items()
+    assert stats["enabled"] and stats["replica"] == tag and len(stats["chosen_k_histogram"]) == stats["k_max"] + 1
+    assert engine_counters({tag: stats}, {tag: stats})["replicas"] == 1
+    assert replica_counters(serve_app, BASELINE_MODEL_ID) is None and speculation_stats(serve_app, BASELINE_MODEL_ID) is None
+    assert replica_memory_bytes(serve_app, BASELINE_MODEL_ID) > 2**30
+    assert models_label(speculation_stats(serve_app, SPECULATIVE_MODEL_ID), "m") == "target models/target / draft models/draft"
+
+
 def test_comparison_targets_noise_band_and_engine_counters():
     """More targets than speculative/baseline: each gets P50/P95 speed-ups and a throughput ratio
     against the baseline; a repeated baseline is the noise band; engine counters become shares."""
