@@ -12,6 +12,10 @@ def _truthy(text: str) -> bool:
     return str(text).lower() in ("1", "true", "yes", "on")
 
 
+def _optional_int(text: str) -> int | None:
+    return None if str(text).lower() in ("", "none") else int(text)
+
+
 @dataclass(frozen=True)
 class Option:
     flag: str
@@ -30,6 +34,9 @@ OPTIONS = (
     Option("--ignore-eos", _truthy, True, "generate past end-of-text, so that every request has --max-tokens"),
     Option("--speculative-model", str, SPECULATIVE_MODEL_ID, "model id that SpeculativeUser requests"),
     Option("--baseline-model", str, BASELINE_MODEL_ID, "model id that BaselineUser requests"),
+    Option("--prompt-seed", _optional_int, None, "seed of the users' prompt sequences (the i-th user started "
+           "draws the same prompts in every run given the same seed); none: unseeded. `specserve loadtest` gives "
+           "every target of a round the same one (this value, 0 if none, plus the round's number)"),
 )
 
 

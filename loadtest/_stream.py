@@ -14,6 +14,13 @@ from loadtest import load_prompts
 _PROMPTS = None
 
 
+def prompt_rng(seed: int | None, user_number: int) -> random.Random:
+    """The prompt sequence of the user_number-th user: the same for every run given the same seed, so
+    that targets measured one after another draw the same prompts (their acceptance differs by prompt
+    more than 5%, and the comparison should not); unseeded when seed is None."""
+    return random.Random() if seed is None else random.Random(f"{seed}:{user_number}")
+
+
 def random_prompt(rng: random.Random) -> dict:
     global _PROMPTS
     if _PROMPTS is None:
@@ -36,6 +43,8 @@ class Sample:
     error: str = ""
     concurrency: int = field(default_factory=lambda: int(os.environ.get("SPECSERVE_CONCURRENCY", "0")))
     round: int = field(default_factory=lambda: int(os.environ.get("SPECSERVE_ROUND", "0")))  # `--rounds`
+    prompt_id: str = ""
+    user: int = 0  # the user's number in its Locust run, in the order started (its prompt sequence)
 
 
 def read_stream(response, sample: Sample, start: float) -> None:

@@ -6,7 +6,9 @@
     locust -f loadtest/ ... --speculative-model M1 --baseline-model M2 --max-tokens 64 --temperature 0.7
 
 The options (`loadtest/_options.py`): --max-tokens, --temperature, --ignore-eos, --speculative-model,
---baseline-model. SPECSERVE_API_KEY in the environment is sent as the bearer key (an application
+--baseline-model, --prompt-seed (the same prompts, user by user, in every run with the same seed: two
+targets measured one after the other then differ by what they are, not by what they were asked; without
+it each user draws at random). SPECSERVE_API_KEY in the environment is sent as the bearer key (an application
 started with one answers 401 without it).
 
 Each request streams a completion of a held-out prompt and reports, per target, custom entries that
@@ -15,19 +17,20 @@ after the first), `e2e` (end to end), all in ms, and `output_tokens` (a count in
 column); the speculative target also reports `drafted_tokens` and `accepted_tokens`.
 """
 
+import itertools
 import os
-import random
 import time
 
 from locust import HttpUser, constant, events, tag, task
 
 from loadtest import _options, auth_headers
-from loadtest._stream import Sample, SampleWriter, random_prompt, read_stream
+from loadtest._stream import Sample, SampleWriter, prompt_rng, random_prompt, read_stream
 
 events.init_command_line_parser.add_listener(_options.add_to)
 
 
 _samples = SampleWriter(os.environ.get("SPECSERVE_SAMPLES_CSV"))
+_user_numbers = itertools.count()  # in the order started: with --prompt-seed, the user's prompt sequence
 
 
 def _report(target: str, sample: Sample, error) -> None:
@@ -47,7 +50,8 @@ class _CompletionUser(HttpUser):
     model_option = ""
 
     def on_start(self):
-        self.rng = random.Random()
+        self.number = next(_user_numbers)
+        self.rng = prompt_rng(self.environment.parsed_options.prompt_seed, self.number)
         # `specserve loadtest` labels its comparison runs (another model id through the same class).
         self.target = os.environ.get("SPECSERVE_TARGET_LABEL") or self.target
         self.client.headers.update(auth_headers())
@@ -64,7 +68,8 @@ class _CompletionUser(HttpUser):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        sample = Sample(target=self.target, category=prompt["category"], start=time.time())
+        sample = Sample(target=self.target, category=prompt["category"], start=time.time(),
+                        prompt_id=str(prompt["id"]), user=self.number)
         start = time.perf_counter()
         with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
                               name=f"{self.target} /v1/completions") as response:

@@ -8,7 +8,8 @@ noise band). Every target is warmed up first; then each concurrency level in tur
 a shuffled (seeded) order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
 levels after another's would put that drift between the targets compared. With --rounds R each level
 runs every target R times, each round in an order of its own: one 30 s window per point is noisier than
-the 5% that separates close policies, and R rounds pool R windows' requests. For each speculative target
+the 5% that separates close policies, and R rounds pool R windows' requests. Within a round every
+target draws the same prompts (Locust's --prompt-seed, a new seed each round). For each speculative target
 the engine's own counters (/v1/specserve/stats) are read before and after every level: the chosen-K
 histogram and the shares of steps and requests that drafted come from the engine, since the per-request
 HTTP summary leaves out steps without drafts; an autoscaled model's are summed over its replicas."""
@@ -119,6 +120,9 @@ def locust_command(out: Path, url: str, target: str, concurrency: int, duration:
     given). Samples are labelled with `target`. Returns (argv, environment)."""
     user_class = user_class or USER_CLASS[target]
     options = vars(args).copy()
+    # Common prompts: every target of a round draws the same sequence, user by user (in 12 s points
+    # at 0.7 the acceptance of the requests two targets drew differed by up to 20%, and their ratio with it).
+    options["prompt_seed"] = (args.prompt_seed or 0) + round_
     if model is not None:
         options["speculative_model" if user_class == "SpeculativeUser" else "baseline_model"] = model
     env = os.environ | {"SPECSERVE_SAMPLES_CSV": str(out / "samples.csv"), "SPECSERVE_CONCURRENCY": str(concurrency),

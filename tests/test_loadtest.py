@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_every_load_test_option_reaches_locust(monkeypatch, tmp_path):
     from specserve.loadtest_runner import locust_command
 
     given = {"--speculative-model": "qwen2.5-7b-speculative", "--baseline-model": "qwen2.5-7b-baseline",
-             "--max-tokens": "7", "--temperature": "0.5", "--ignore-eos": "false"}
+             "--max-tokens": "7", "--temperature": "0.5", "--ignore-eos": "false", "--prompt-seed": "5"}
     assert set(given) == {o.flag for o in _options.OPTIONS}, "a new option needs a value here"
     args = build_parser().parse_args(["loadtest", "--out", str(tmp_path), *[a for kv in given.items() for a in kv]])
     cmd, env = locust_command(tmp_path, "http://127.0.0.1:9", "speculative", 2, 5, args)
@@ -106,17 +107,46 @@ def test_every_load_test_option_reaches_locust(monkeypatch, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     assert parsed == {"speculative_model": "qwen2.5-7b-speculative", "baseline_model": "qwen2.5-7b-baseline",
-                      "max_tokens": 7, "temperature": 0.5, "ignore_eos": False}
+                      "max_tokens": 7, "temperature": 0.5, "ignore_eos": False, "prompt_seed": 5}
+
+
+def test_every_target_of_a_round_draws_the_same_prompts_and_each_round_new_ones(tmp_path):
+    """Common prompts: the seed that `specserve loadtest` gives Locust is the same for every target of a
+    round and new each round; with one seed, the i-th user draws the same sequence in every run (and
+    users draw different ones); without one, runs differ."""
+    from loadtest._stream import prompt_rng, random_prompt
+    from specserve.cli import build_parser
+    from specserve.loadtest_runner import locust_command
+
+    def seed(target, round_, *given):
+        args = build_parser().parse_args(["loadtest", "--out", str(tmp_path), *given])
+        cmd, _ = locust_command(tmp_path, "http://127.0.0.1:9", target, 4, 5, args, "SpeculativeUser", target, round_)
+        return int(cmd[cmd.index("--prompt-seed") + 1])
+
+    assert seed("speculative", 0) == seed("specserve-k4", 0) == 0 and seed("baseline", 3, "--prompt-seed", "7") == 10
+    assert len({seed("speculative", r) for r in range(4)}) == 4
+
+    def drawn(seed_, user, n=20):
+        rng = prompt_rng(seed_, user)
+        return [random_prompt(rng)["id"] for _ in range(n)]
+
+    assert drawn(3, 0) == drawn(3, 0) and drawn(3, 1) == drawn(3, 1)
+    assert drawn(3, 0) != drawn(3, 1) and drawn(3, 0) != drawn(4, 0)
+    assert drawn(None, 0) != drawn(None, 0)
 
 
 @pytest.mark.slow
 def test_short_headless_locust_run(serve_app, tmp_path):
-    """Both user classes for 25 s: no failures; P50/P95 of every custom entry for both targets."""
+    """Both user classes for 25 s: no failures; P50/P95 of every custom entry for both targets; with
+    --prompt-seed, each user's requests are its seeded prompt sequence, in order."""
+    from loadtest._stream import prompt_rng, random_prompt
+
     prefix = tmp_path / "run"
     cmd = [str(Path(sys.executable).with_name("locust")), "-f", str(REPO_ROOT / "loadtest"), "--headless",
            "--host", serve_app, "-u", "4", "-r", "4", "-t", "25s", "--stop-timeout", "60", "--csv", str(prefix),
-           "--only-summary", "--max-tokens", "32", "SpeculativeUser", "BaselineUser"]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+           "--only-summary", "--max-tokens", "32", "--prompt-seed", "11", "SpeculativeUser", "BaselineUser"]
+    env = os.environ | {"SPECSERVE_SAMPLES_CSV": str(tmp_path / "samples.csv")}
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(f"{prefix}_stats.csv") as f:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
@@ -127,6 +157,13 @@ def test_short_headless_locust_run(serve_app, tmp_path):
             assert float(row["50%"]) > 0 and float(row["95%"]) >= float(row["50%"])
     assert float(rows[("drafted_tokens", "speculative")]["50%"]) > 0
     assert int(rows[("POST", "baseline /v1/completions")]["Failure Count"]) == 0
+    with open(tmp_path / "samples.csv") as f:
+        samples = sorted(csv.DictReader(f), key=lambda s: float(s["start"]))
+    assert {s["user"] for s in samples} == {"0", "1", "2", "3"}
+    for user in range(4):
+        asked = [s["prompt_id"] for s in samples if s["user"] == str(user)]
+        rng = prompt_rng(11, user)
+        assert asked == [random_prompt(rng)["id"] for _ in asked], user
 
 
 @pytest.mark.slow
