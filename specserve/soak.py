@@ -1,6 +1,6 @@
 """`specserve soak`: mixed traffic for a chosen time against the served application, and what a platform
 engineer reads off it: failed requests, latency percentiles per time window, each model's replica
-memory over time, and at the end the engines' unfinished requests and the draft's tracked requests
+memory over time (every replica), and at the end the engines' unfinished requests and the draft's tracked requests
 (both back to zero once traffic stops). Starts `serve run --config` itself when nothing answers.
 
 Traffic: `--concurrency` closed-loop clients, each request drawn at random (seeded) among the
@@ -99,20 +99,32 @@ async def clients(url: str, duration_s: float, concurrency: int, seed: int, t0: 
 
 
 def model_stats(url: str) -> dict:
-    return httpx.get(f"{url}/v1/specserve/stats", headers=auth_headers(), timeout=60).raise_for_status().json()
+    """Each model's stats by replica tag ({model: {tag: stats}}): an autoscaled model's replicas each
+    have their own memory and tracked requests."""
+    return httpx.get(f"{url}/v1/specserve/stats", params={"every_replica": "true"}, headers=auth_headers(),
+                     timeout=60).raise_for_status().json()
+
+
+def replica_name(model: str, tag: str) -> str:
+    """'<model> #<replica>': the replica's own id, the last part of its Serve tag."""
+    return f"{model} #{tag.rsplit('#', 1)[-1]}"
 
 
 def memory_sample(stats: dict, t: float) -> dict:
-    """Each model's replica memory (replica and engine processes), and its engine's alone ("<model> engine")."""
+    """Each replica's memory (replica and engine processes, '<model> #<replica>'), and its engine's alone
+    ('<model> #<replica> engine'): a leak shows in a replica, and a model's sum would change with its
+    replica count."""
     sample = {"t": round(t, 1)}
-    for model, s in stats.items():
-        sample[model] = s.get("replica_memory_bytes", 0)
-        sample[f"{model} engine"] = s.get("engine_memory_bytes", 0)
+    for model, replicas in stats.items():
+        for tag, s in replicas.items():
+            name = replica_name(model, tag)
+            sample[name] = s.get("replica_memory_bytes", 0)
+            sample[f"{name} engine"] = s.get("engine_memory_bytes", 0)
     return sample
 
 
 async def memory_sampler(url: str, interval_s: float, t0: float, samples: list, stop: asyncio.Event) -> None:
-    """Each model's replica memory every interval (one replica of each asked)."""
+    """Every replica's memory every interval."""
     while not stop.is_set():
         try:
             stats = await asyncio.to_thread(model_stats, url)
@@ -207,13 +219,14 @@ def windows(outcomes: list[Outcome], window_s: float) -> list[dict]:
 
 
 def memory_growth(samples: list[dict], warm_up_s: float) -> dict:
-    """Per model: memory at the first sample after warm-up, at the last, and the relative change."""
+    """Per replica: memory at its first sample after warm-up, at its last, and the relative change (a
+    replica that started or stopped during the soak is measured over the samples it has)."""
     growth = {}
     after = [s for s in samples if s["t"] >= warm_up_s] or samples
-    for model in (k for k in (after[0] if after else {}) if k != "t"):
-        first, last = after[0][model], after[-1][model]
-        growth[model] = {"after_warm_up_bytes": first, "at_end_bytes": last,
-                         "change": (last - first) / first if first else None}
+    for name in dict.fromkeys(k for s in after for k in s if k != "t"):
+        first, last = (next(s[name] for s in ordered if name in s) for ordered in (after, after[::-1]))
+        growth[name] = {"after_warm_up_bytes": first, "at_end_bytes": last,
+                        "change": (last - first) / first if first else None}
     return growth
 
 
@@ -243,7 +256,7 @@ def markdown(report: dict) -> str:
     for w in report["windows"]:
         lines.append(f"| {w['from_s']:.0f} | {w['requests']} | {w['failures']} | {w['p50_e2e_s']:.2f} | "
                      f"{w['p95_e2e_s']:.2f} | {w['p50_ms_per_token']:.1f} | {w['p95_ms_per_token']:.1f} |")
-    lines += ["", "Replica memory (resident; '<model>': replica and engine processes, '<model> engine': the engine's alone):", ""]
+    lines += ["", "Replica memory (resident; '<model> #<replica>': replica and engine processes, '... engine': the engine's alone):", ""]
     for model, g in report["memory_growth"].items():
         change = "?" if g["change"] is None else f"{100 * g['change']:+.1f}%"
         lines.append(f"- {model}: {g['after_warm_up_bytes'] / 2**30:.2f} GiB after warm-up, "
@@ -287,7 +300,7 @@ async def soak(args) -> dict:
         "windows": windows(outcomes, args.window), "memory": samples,
         "memory_growth": memory_growth(samples, args.warm_up),
         "unfinished_requests": unfinished,
-        "draft_tracked_requests": len(stats[args.speculative_model].get("tracked_requests", [])),
+        "draft_tracked_requests": sum(len(s.get("tracked_requests", [])) for s in stats[args.speculative_model].values()),
         "failures_by_phase": failures_by_phase(outcomes, recovery), "recovery": recovery,
         "errors": sorted({o.error for o in outcomes if o.error})[:20],
         "outcomes": [asdict(o) for o in outcomes],

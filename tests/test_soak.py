@@ -1,5 +1,7 @@
 """The soak report's arithmetic (the command itself runs against a served application: a benchmark,
-not a test)."""
+not a test), and its reads of the served stats route."""
+
+import pytest
 
 from specserve.burst import summary
 from specserve.soak import Outcome, failures_by_phase, markdown, memory_growth, memory_sample, replica_of, windows
@@ -25,6 +27,14 @@ def test_memory_growth_from_the_first_sample_after_warm_up():
     growth = memory_growth(samples, warm_up_s=60)
     assert growth["s"]["after_warm_up_bytes"] == 100 and abs(growth["s"]["change"] - 0.03) < 1e-9
     assert growth["b"]["change"] == 0
+
+
+def test_memory_growth_of_replicas_that_came_and_went():
+    """A replica started during the soak counts from its first sample, one stopped to its last."""
+    samples = [{"t": 60, "s #a": 100}, {"t": 120, "s #a": 110, "s #b": 40}, {"t": 180, "s #b": 50}]
+    growth = memory_growth(samples, warm_up_s=60)
+    assert growth["s #a"] == {"after_warm_up_bytes": 100, "at_end_bytes": 110, "change": pytest.approx(0.1)}
+    assert growth["s #b"] == {"after_warm_up_bytes": 40, "at_end_bytes": 50, "change": pytest.approx(0.25)}
 
 
 def test_failures_split_by_the_engine_outage():
@@ -68,10 +78,28 @@ def test_replica_process_titles_idle_and_busy():
     assert not replica_of("ray::ServeReplica:specserve:SpecServeIngress", "specserve-speculative")
 
 
-def test_memory_samples_name_the_engine_share():
-    stats = {"s": {"enabled": True, "replica_memory_bytes": 30, "engine_memory_bytes": 20},
-             "b": {"enabled": False, "replica_memory_bytes": 25, "engine_memory_bytes": 15}}
-    assert memory_sample(stats, 12.34) == {"t": 12.3, "s": 30, "s engine": 20, "b": 25, "b engine": 15}
+def test_memory_samples_name_each_replica_and_its_engine_share():
+    stats = {"s": {"s#SpecServeLLMServer#r1": {"enabled": True, "replica_memory_bytes": 30, "engine_memory_bytes": 20},
+                   "s#SpecServeLLMServer#r2": {"enabled": True, "replica_memory_bytes": 31, "engine_memory_bytes": 21}},
+             "b": {"b#SpecServeLLMServer#r3": {"enabled": False, "replica_memory_bytes": 25, "engine_memory_bytes": 15}}}
+    assert memory_sample(stats, 12.34) == {"t": 12.3, "s #r1": 30, "s #r1 engine": 20, "s #r2": 31, "s #r2 engine": 21,
+                                           "b #r3": 25, "b #r3 engine": 15}
+
+
+@pytest.mark.slow
+def test_the_soak_samples_every_replicas_memory_from_the_served_route(serve_app):
+    """`specserve soak`'s reads of the real /v1/specserve/stats: one memory entry per replica of each
+    model (one replica each here), its engine's share below it, and the draft's tracked requests summed
+    over the speculative model's replicas."""
+    from deployment.defaults import BASELINE_MODEL_ID, SPECULATIVE_MODEL_ID
+    from specserve.soak import model_stats
+
+    stats = model_stats(serve_app)
+    sample = memory_sample(stats, 1.0)
+    for model in (SPECULATIVE_MODEL_ID, BASELINE_MODEL_ID):
+        (name,) = [k for k in sample if k.startswith(f"{model} #") and not k.endswith(" engine")]
+        assert 0 < sample[f"{name} engine"] < sample[name], sample
+    assert all(isinstance(s.get("tracked_requests"), list) for s in stats[SPECULATIVE_MODEL_ID].values())
 
 
 def test_burst_probe_summary_by_source():
