@@ -74,12 +74,13 @@ def summarize(samples: list[dict]) -> dict:
 BASELINE, BASELINE_REPEAT = "baseline", "baseline-repeat"
 
 
-def speedups(summary: dict) -> dict:
+def speedups(summary: dict, samples: list[dict] | None = None) -> dict:
     """For every target measured against the baseline, per concurrency: P50 and P95 end-to-end
     speed-ups (baseline latency over the target's: above 1, the target is faster) and the throughput
     ratio, and its crossover (the lowest concurrency where its P50 speed-up falls below 1). The
     speculative target's are also at the top level. A second baseline run ("baseline-repeat") is
-    compared like any target: its ratios are the noise band."""
+    compared like any target: its ratios are the noise band. With the samples, the speculative target
+    is also set against each compared one request by request (`paired_e2e_speedup`)."""
     by_target = {}
     for target in summary:
         if target == BASELINE:
@@ -98,7 +99,7 @@ def speedups(summary: dict) -> dict:
         crossover = next((c for c in levels if rows[c]["p50_e2e_speedup"] < 1.0), None)
         by_target[target] = {"by_concurrency": rows, "crossover_concurrency": crossover}
     main = by_target.get("speculative", {"by_concurrency": {}, "crossover_concurrency": None})
-    return {**main, "by_target": by_target, "speculative_against": speculative_against(summary)}
+    return {**main, "by_target": by_target, "speculative_against": speculative_against(summary, samples)}
 
 
 def _throughput_ratio_by_round(mine: dict, theirs: dict) -> dict:
@@ -109,11 +110,12 @@ def _throughput_ratio_by_round(mine: dict, theirs: dict) -> dict:
             if their_rounds.get(r)}
 
 
-def speculative_against(summary: dict) -> dict:
+def speculative_against(summary: dict, samples: list[dict] | None = None) -> dict:
     """The speculative model's throughput over each other speculative target's (`--compare`: the fixed-K
     variants), per concurrency: pooled over the rounds, each round's (measured minutes apart, within one
     round: the machine's drift between rounds cancels) and their median, which one round that a burst
-    of noise hit does not move."""
+    of noise hit does not move; with the samples, also its requests' end-to-end speed-up over the same
+    requests of the other (`paired_e2e_speedup`)."""
     spec = summary.get("speculative", {})
     against = {}
     for target in summary:
@@ -126,8 +128,27 @@ def speculative_against(summary: dict) -> dict:
             rows[c] = {"throughput_ratio": mine["output_tokens_per_s"] / theirs["output_tokens_per_s"],
                        "throughput_ratio_by_round": by_round,
                        "median_by_round": float(np.median(list(by_round.values()))) if by_round else None}
+            if samples is not None:
+                rows[c] |= paired_e2e_speedup(samples, "speculative", target, c)
         against[target] = rows
     return against
+
+
+def paired_e2e_speedup(samples: list[dict], mine: str, theirs: str, concurrency: int) -> dict:
+    """The geometric mean of theirs' end-to-end time over mine's for the same request: with common prompts
+    (`--prompt-seed`) a user's n-th request in a round asks both targets the same prompt, so the pair
+    differs by target, not by prompt. Pairs are matched by (round, user, turn) with the same prompt id and
+    both answered; a user's turns are its requests in order of start, failed ones included (each drew
+    its prompt). {"paired_e2e_speedup": x or None, "pairs": n}."""
+    turns: dict = {}
+    for s in sorted((s for s in samples if int(s["concurrency"]) == concurrency and s["target"] in (mine, theirs)
+                     and s.get("prompt_id")), key=lambda s: float(s["start"])):
+        turns.setdefault((s["target"], int(s.get("round") or 0), int(s["user"])), []).append(s)
+    logs = [math.log(float(b["e2e_s"]) / float(a["e2e_s"]))
+            for (target, r, user), requests in turns.items() if target == mine
+            for a, b in zip(requests, turns.get((theirs, r, user), []))
+            if a["prompt_id"] == b["prompt_id"] and _is_ok(a) and _is_ok(b) and float(a["e2e_s"]) > 0]
+    return {"paired_e2e_speedup": math.exp(sum(logs) / len(logs)) if logs else None, "pairs": len(logs)}
 
 
 COST_MODEL_KEYS = ("target_cost_ms", "draft_cost_ms", "engine_cost_ms", "engine_acceptance_per_position")
@@ -233,13 +254,17 @@ def markdown(summary: dict, speed: dict, plan: dict | None, extra: dict) -> str:
                          f"{r['p95_e2e_speedup']:.2f}x |")
     if speed.get("speculative_against"):
         lines += ["", "The speculative model against each compared one (its throughput over theirs: pooled, each "
-                  "round's within that round, and the median of the rounds', which drift between rounds does not move):", "",
-                  "| against | concurrency | throughput | by round | median of rounds |", "|---|---|---|---|---|"]
+                  "round's within that round, and the median of the rounds', which drift between rounds does not move; "
+                  "and the same requests' end-to-end speed-up, the geometric mean over the pairs of requests that "
+                  "asked both the same prompt in the same round, user and turn, which the prompts drawn do not move):", "",
+                  "| against | concurrency | throughput | by round | median of rounds | same requests' e2e (pairs) |",
+                  "|---|---|---|---|---|---|"]
         for target, rows in speed["speculative_against"].items():
             for c, r in rows.items():
                 rounds = " / ".join(f"{x:.2f}" for x in r["throughput_ratio_by_round"].values()) or "-"
                 median = "-" if r["median_by_round"] is None else f"{r['median_by_round']:.2f}x"
-                lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {rounds} | {median} |")
+                paired = "-" if r.get("paired_e2e_speedup") is None else f"{r['paired_e2e_speedup']:.2f}x ({r['pairs']})"
+                lines.append(f"| {target} | {c} | {r['throughput_ratio']:.2f}x | {rounds} | {median} | {paired} |")
     if BASELINE_REPEAT in speed["by_target"]:
         lines += ["", f"The {BASELINE_REPEAT} rows are the same baseline measured again: their distance from 1.00x "
                   "is this machine's noise."]

@@ -185,7 +185,7 @@ def main(args) -> int:
     for label, levels in engine.items():
         for c, counters in levels.items():
             summary[label][c]["engine"] = counters
-    speed = speedups(summary)
+    speed = speedups(summary, samples)
     plan = capacity(summary, args.slo_p95_e2e, args.target_rps) if args.slo_p95_e2e else None
     for target, m in memory.items():
         m["change"] = (m["at_end_bytes"] - m["after_warm_up_bytes"]) / max(m["after_warm_up_bytes"], 1)

@@ -1,6 +1,6 @@
 """`specserve soak`: mixed traffic for a chosen time against the served application, and what a platform
-engineer reads off it: failed requests, latency percentiles per time window, each model's replica
-memory over time (every replica), and at the end the engines' unfinished requests and the draft's tracked requests
+engineer reads off it: failed requests, latency percentiles per time window, every replica's memory
+over time, and at the end the engines' unfinished requests and the draft's tracked requests
 (both back to zero once traffic stops). Starts `serve run --config` itself when nothing answers.
 
 Traffic: `--concurrency` closed-loop clients, each request drawn at random (seeded) among the

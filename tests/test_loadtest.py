@@ -301,3 +301,30 @@ def test_the_title_names_the_k_policy_with_its_request_speed_floor():
     assert policy_label({"k_policy": "adaptive", "k_max": 6, "request_speed_floor": None}) == "adaptive (K_max 6)"
     assert policy_label({"k_policy": "fixed", "k_max": 4, "request_speed_floor": 0.8}) == "fixed (K_max 4)"
     assert policy_label({}) == "? (K_max ?)"
+
+
+def test_the_same_requests_paired_across_targets_by_round_user_and_turn():
+    """With common prompts each user's n-th request in a round asked every target the same prompt: the
+    speed-up over those pairs (geometric mean) ignores failed requests, other rounds, other levels and
+    pairs whose prompts differ; the report prints it with the pair count."""
+    from loadtest._report import markdown, paired_e2e_speedup
+
+    def req(target, user, prompt, e2e, start, round_=0, conc=2, ok=True):
+        return sample(target, conc, e2e, start=start, ok=ok) | {"round": round_, "user": user, "prompt_id": prompt}
+
+    samples = [req("speculative", 0, "p1", 1.0, 0), req("speculative", 0, "p2", 1.0, 1), req("speculative", 0, "p3", 1.0, 2),
+               req("specserve-k6", 0, "p1", 2.0, 10), req("specserve-k6", 0, "p2", 1.5, 12),
+               req("speculative", 1, "p4", 1.0, 0), req("speculative", 1, "p5", 1.0, 1, ok=False),
+               req("speculative", 1, "p6", 1.0, 2),
+               req("specserve-k6", 1, "p4", 1.0, 10), req("specserve-k6", 1, "p5", 3.0, 11),
+               req("specserve-k6", 1, "p7", 5.0, 14),
+               req("speculative", 0, "p9", 10.0, 100, round_=1), req("specserve-k6", 0, "p1", 9.0, 0, conc=4),
+               req("baseline", 0, "p1", 4.0, 10), req("baseline", 1, "p4", 4.0, 10)]
+    assert paired_e2e_speedup(samples, "speculative", "specserve-k6", 2) == \
+        {"paired_e2e_speedup": pytest.approx(3 ** (1 / 3)), "pairs": 3}
+    assert paired_e2e_speedup(samples, "speculative", "specserve-k2", 2) == {"paired_e2e_speedup": None, "pairs": 0}
+    speed = speedups(summarize(samples), samples)
+    k6 = speed["speculative_against"]["specserve-k6"][2]
+    assert k6["paired_e2e_speedup"] == pytest.approx(3 ** (1 / 3)) and k6["pairs"] == 3
+    assert "| 1.44x (3) |" in markdown(summarize(samples), speed, None, {})
+    assert speedups(summarize(samples))["speculative_against"]["specserve-k6"][2].get("paired_e2e_speedup") is None
