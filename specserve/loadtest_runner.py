@@ -29,7 +29,7 @@ from deployment.defaults import REPO_ROOT
 from loadtest import _options, auth_headers
 from loadtest._report import BASELINE, BASELINE_REPEAT, capacity, engine_counters, speedups, summarize, write_outputs
 from specserve.arguments import positive_ints
-from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready
+from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready, served_stats
 
 USER_CLASS = {"speculative": "SpeculativeUser", "baseline": "BaselineUser"}
 
@@ -60,8 +60,7 @@ def measurement_order(targets: list, levels: list[int], seed: int = 0, rounds: i
 def one_model_stats(url: str, model: str, timeout_s: float = 30, **params) -> dict:
     """This model's entry of /v1/specserve/stats ({} when absent). Only this model is asked: asking wakes
     an engine's worker, which would then spin beside the one measured."""
-    return httpx.get(f"{url}/v1/specserve/stats", params={"model": model, **params}, headers=auth_headers(),
-                     timeout=timeout_s).raise_for_status().json().get(model) or {}
+    return served_stats(url, timeout_s, model=model, **params).get(model) or {}
 
 
 def speculation_stats(url: str, model: str) -> dict | None:

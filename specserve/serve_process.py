@@ -1,4 +1,5 @@
-"""Start and stop `serve run <config>` as a child process: for the test suite and `specserve loadtest`."""
+"""Start and stop `serve run <config>` as a child process: for the test suite and `specserve loadtest`;
+and the tools' reads of the served application's own routes."""
 
 import os
 import signal
@@ -11,8 +12,17 @@ import httpx
 
 from deployment.admission import PROXY_CALLBACK_ENV
 from deployment.defaults import REPO_ROOT
+from loadtest import auth_headers
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def served_stats(url: str, timeout_s: float = 60, **params) -> dict:
+    """/v1/specserve/stats of the application at url, with the API key when one is set: each model's
+    speculator counters and memory ({model: stats}; with every_replica="true", {model: {tag: stats}};
+    model=<id> asks that model alone)."""
+    return httpx.get(f"{url}/v1/specserve/stats", params=params, headers=auth_headers(),
+                     timeout=timeout_s).raise_for_status().json()
 
 
 def is_ready(url: str = DEFAULT_URL) -> bool:

@@ -25,7 +25,7 @@ import httpx
 from deployment.defaults import BASELINE_MODEL_ID, SPECULATIVE_MODEL_ID
 from loadtest import auth_headers, load_prompts
 from loadtest._report import percentile
-from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready
+from specserve.serve_process import DEFAULT_URL, ServeProcess, is_ready, served_stats
 
 SHAPES = [(temperature, max_tokens, stream)
           for temperature in (0.0, 0.7) for max_tokens in (32, 256) for stream in (False, True)]
@@ -101,8 +101,7 @@ async def clients(url: str, duration_s: float, concurrency: int, seed: int, t0: 
 def model_stats(url: str) -> dict:
     """Each model's stats by replica tag ({model: {tag: stats}}): an autoscaled model's replicas each
     have their own memory and tracked requests."""
-    return httpx.get(f"{url}/v1/specserve/stats", params={"every_replica": "true"}, headers=auth_headers(),
-                     timeout=60).raise_for_status().json()
+    return served_stats(url, every_replica="true")
 
 
 def replica_name(model: str, tag: str) -> str:
