@@ -171,7 +171,7 @@ def playground_settings(args: SpecServeArgs, api_key_required: bool) -> dict:
 
 def build_app(args: SpecServeArgs):
     """Both models behind one OpenAI ingress: /v1/completions, /v1/chat/completions, /v1/models,
-    /health (open without a key), /v1/specserve/unfinished_requests (per model, for drain checks),
+    /health (open without a key), /v1/specserve/unfinished_requests (per model over its replicas, for drain checks),
     /v1/specserve/replicas (per model, by state) and /v1/specserve/stats (per model: the speculator's
     chosen-K histogram, drafted shares and step-cost model, the replica's memory); the playground at
     /playground (/ redirects there) and the charts at /playground/charts."""

@@ -117,7 +117,7 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
         if not every_replica:
             return {model_id: await handle.speculation_stats.remote() for model_id, handle in handles.items()}
         replicas = await self.replicas()
-        return {model_id: await _every_replica_stats(handle, replicas[model_id].get("RUNNING", 0))
+        return {model_id: await _every_replica(handle.speculation_stats.remote, replicas[model_id].get("RUNNING", 0))
                 for model_id, handle in handles.items()}
 
     async def replicas(self) -> dict:
@@ -129,10 +129,17 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
             counts[model_id] = {str(getattr(state, "value", state)): n for state, n in deployment.replica_states.items()}
         return counts
 
-    async def unfinished_requests(self) -> dict:
-        """Unfinished requests in each model's engine (one replica each asked): drain checks, tests."""
-        return {model_id: await handle.num_unfinished_requests.remote()
-                for model_id, handle in self.model_handles().items()}
+    async def unfinished_requests(self, every_replica: bool = False) -> dict:
+        """Unfinished requests in each model's engines, summed over its running replicas ({model: n}), for
+        drain checks: under autoscaling a model's requests are spread over several engines. With
+        `?every_replica=true`, by replica tag ({model: {tag: n}})."""
+        replicas = await self.replicas()
+        counts = {model_id: await _every_replica(handle.replica_unfinished_requests.remote,
+                                                 replicas[model_id].get("RUNNING", 0))
+                  for model_id, handle in self.model_handles().items()}
+        by_tag = {model_id: {tag: answer["unfinished"] for tag, answer in answers.items()}
+                  for model_id, answers in counts.items()}
+        return by_tag if every_replica else {model_id: sum(n.values()) for model_id, n in by_tag.items()}
 
 
 class SpecServeLLMServer(LLMServer):
@@ -216,6 +223,10 @@ class SpecServeLLMServer(LLMServer):
         """Requests the engine of this replica still holds (running or waiting)."""
         return engine_client(self).output_processor.get_num_unfinished_requests()
 
+    async def replica_unfinished_requests(self) -> dict:
+        """`num_unfinished_requests` with this replica's tag, for the ingress's sum over replicas."""
+        return {"replica": serve.get_replica_context().replica_tag, "unfinished": await self.num_unfinished_requests()}
+
     async def speculation_stats(self) -> dict:
         """The speculator's counters from this replica's engine (`SpeculativeWorker.specserve_stats`),
         and the resident memory of the replica with its engine processes, and of the engine alone."""
@@ -243,8 +254,9 @@ class SpecServeLLMServer(LLMServer):
 EVERY_REPLICA_WAVES = 8
 
 
-async def _every_replica_stats(handle, running: int) -> dict:
-    """The speculation stats of each of a model's running replicas, by replica tag. Serve routes a call to
+async def _every_replica(call, running: int) -> dict:
+    """The answers of each of a model's running replicas to `call` (a handle method's `remote`, whose
+    answer names its "replica"), by replica tag. Serve routes a call to
     a replica of its router's choosing and offers no public call to a named one; calls made at once
     spread over the replicas (its router sends each to the shorter of two queues), so they go out in
     waves of one more than the replicas running until every one has answered, at most
@@ -252,7 +264,7 @@ async def _every_replica_stats(handle, running: int) -> dict:
     missing, as the caller can tell from the count)."""
     seen: dict = {}
     for _ in range(EVERY_REPLICA_WAVES):
-        answers = await asyncio.gather(*(handle.speculation_stats.remote() for _ in range(running + 1)))
+        answers = await asyncio.gather(*(call() for _ in range(running + 1)))
         seen |= {answer["replica"]: answer for answer in answers}
         if len(seen) >= running:
             break

@@ -317,6 +317,40 @@ def test_speculation_metrics_poll_the_engine_only_while_requests_come_or_run(mon
     asyncio.run(scenario())
 
 
+def test_unfinished_requests_are_summed_over_every_running_replica():
+    """An autoscaled model's requests are spread over its replicas: the drain check adds up all of
+    them, asking in waves since Serve picks the replica of each call."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployment.servers import SpecServeIngress
+
+    class Handle:  # Serve's router: each call lands on the next replica in turn
+        def __init__(self, unfinished):
+            self.unfinished, self.calls = unfinished, 0
+
+        def replica_unfinished_requests(self):
+            tag = list(self.unfinished)[self.calls % len(self.unfinished)]
+            self.calls += 1
+
+            async def answer():
+                return {"replica": tag, "unfinished": self.unfinished[tag]}
+            return answer()
+
+    def handles():
+        return {SPEC: SimpleNamespace(replica_unfinished_requests=SimpleNamespace(remote=spec.replica_unfinished_requests)),
+                BASELINE: SimpleNamespace(replica_unfinished_requests=SimpleNamespace(remote=base.replica_unfinished_requests))}
+
+    async def replicas():
+        return {SPEC: {"RUNNING": 3, "STARTING": 1}, BASELINE: {"RUNNING": 1}}
+
+    spec, base = Handle({"a": 2, "b": 0, "c": 5}), Handle({"z": 1})
+    ingress = SimpleNamespace(model_handles=handles, replicas=replicas)
+    assert asyncio.run(SpecServeIngress.unfinished_requests(ingress)) == {SPEC: 7, BASELINE: 1}
+    assert asyncio.run(SpecServeIngress.unfinished_requests(ingress, every_replica=True)) == {
+        SPEC: {"a": 2, "b": 0, "c": 5}, BASELINE: {"z": 1}}
+
+
 BAD_INPUTS = [
     ("malformed JSON", "/v1/completions", b'{"model": "specserve-speculative", "prompt": '),
     ("unknown model", "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 4}),

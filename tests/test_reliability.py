@@ -192,6 +192,9 @@ def test_scale_out_under_load_and_back_in_without_failures(app, tmp_path):
     # Each replica's engine counters, as `specserve loadtest` sums them: both replicas answer.
     replicas = get(app, "/v1/specserve/stats", params={"model": SPEC, "every_replica": "true"}).json()[SPEC]
     assert len(replicas) == 2 and all(r["enabled"] and r["replica"] == tag for tag, r in replicas.items()), replicas
+    # The drain check asks both replicas too (their requests summed in the plain form).
+    unfinished = get(app, "/v1/specserve/unfinished_requests", params={"every_replica": "true"}).json()[SPEC]
+    assert unfinished.keys() == replicas.keys() and all(n >= 0 for n in unfinished.values()), unfinished
     finish(run, timeout=360)  # the rest of the 240 s load and Locust's stop
     deadline = time.monotonic() + 120
     while running() > 1:
