@@ -5,8 +5,10 @@ and stops it.
 Targets: the speculative model, any --compare models (more speculative model ids, e.g. the fixed-K
 variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the baseline once more (the
 noise band). Every target is warmed up first; then each concurrency level in turn runs every target, in
-a shuffled (seeded) order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
-levels after another's would put that drift between the targets compared. With --rounds R each level
+a shuffled order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
+levels after another's would put that drift between the targets compared. Each run draws its order's
+seed (--order-seed repeats one; the report records it): with one fixed order, runs of the same targets
+all measured them in the same sequence, and whatever that sequence favoured they repeated. With --rounds R each level
 runs every target R times, each round in an order of its own: one 30 s window per point is noisier than
 the 5% that separates close policies, and R rounds pool R windows' requests. Within a round every
 target draws the same prompts (Locust's --prompt-seed, a new seed each round). For each speculative target
@@ -161,7 +163,9 @@ def main(args) -> int:
             warm_up(args.host, model)
             memory[label] = {"after_warm_up_bytes": replica_memory_bytes(args.host, model)}
         before: dict = {}  # (target, level) -> its engine's counters before the level's first round
-        for c, r, (label, user_class, model) in measurement_order(targets, args.concurrency, rounds=args.rounds):
+        order_seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(2**31)
+        log(f"measurement order seed {order_seed}")
+        for c, r, (label, user_class, model) in measurement_order(targets, args.concurrency, order_seed, args.rounds):
             log(f"{label} ({model}): concurrency {c} for {args.duration} s, round {r + 1} of {args.rounds}")
             if r == 0:
                 before[label, c] = replica_counters(args.host, model)
@@ -188,7 +192,8 @@ def main(args) -> int:
     plan = capacity(summary, args.slo_p95_e2e, args.target_rps) if args.slo_p95_e2e else None
     for target, m in memory.items():
         m["change"] = (m["at_end_bytes"] - m["after_warm_up_bytes"]) / max(m["after_warm_up_bytes"], 1)
-    extra = {"host": args.host, "duration_s": args.duration, "rounds": args.rounds, "models_label": title_models,
+    extra = {"host": args.host, "duration_s": args.duration, "rounds": args.rounds, "order_seed": order_seed,
+             "models_label": title_models,
              "k_policy": policy_label(spec_stats),
              **{o.dest: getattr(args, o.dest) for o in _options.OPTIONS}, "replica_memory": memory}
     write_outputs(out, summary, speed, plan, extra)
@@ -207,6 +212,8 @@ def add_arguments(p) -> None:
     p.add_argument("--duration", type=int, default=30, help="seconds per target and concurrency level")
     p.add_argument("--rounds", type=int, default=1, help="times each target is measured at each level (each round "
                    "in an order of its own; the report pools the rounds and sets each against the baseline's)")
+    p.add_argument("--order-seed", type=int, help="seed of the targets' shuffled order (drawn afresh each run "
+                   "when not given, and recorded in summary.json)")
     p.add_argument("--slo-p95-e2e", type=float, help="SLO on P95 end-to-end latency, seconds")
     p.add_argument("--target-rps", type=float, help="request rate to size replicas for")
     _options.add_to(p)  # the locustfile's own options, forwarded to Locust as given

@@ -239,7 +239,9 @@ def test_charts_read_in_a_minute(tmp_path):
 
 def test_each_level_runs_every_target_in_a_shuffled_order():
     """Levels one after another, each with every target once per round, each round in an order of its
-    own (the machine's drift falls on every target alike), orders that a rerun repeats."""
+    own (the machine's drift falls on every target alike), orders that a rerun with the same seed
+    repeats, and that a run with another seed does not; each run draws a seed unless given one."""
+    from specserve.cli import build_parser
     from specserve.loadtest_runner import measurement_order
 
     targets, levels = ["speculative", "k2", "k4", "baseline", "baseline-repeat"], [1, 2, 4, 8, 16, 32]
@@ -249,6 +251,9 @@ def test_each_level_runs_every_target_in_a_shuffled_order():
     assert all(sorted(block) == sorted(targets) for block in blocks)
     assert len({tuple(block) for block in blocks}) > 1
     assert order == measurement_order(targets, levels)
+    assert measurement_order(targets, levels, seed=7) == measurement_order(targets, levels, seed=7) != order
+    assert build_parser().parse_args(["loadtest", "--out", "x"]).order_seed is None
+    assert build_parser().parse_args(["loadtest", "--out", "x", "--order-seed", "7"]).order_seed == 7
     rounds = measurement_order(targets, [1, 4], rounds=3)
     assert [(level, r) for level, r, _ in rounds] == [(level, r) for level in (1, 4) for r in range(3) for _ in targets]
     per_round = [tuple(t for level, r, t in rounds if (level, r) == key) for key in {(lv, r) for lv, r, _ in rounds}]
