@@ -612,6 +612,17 @@ def test_k_sweep_profile_serves_fixed_k_variants_beside_the_adaptive_model():
         SpecServeArgs(speculative_variants={BASELINE: {}})
 
 
+def test_k_control_profile_serves_two_identical_fixed_k_engines_beside_the_adaptive_model():
+    from deployment.app import llm_configs
+
+    configs = {c.model_id: c.engine_kwargs for c in llm_configs(app_args("configs/k-control.yaml"))}
+    assert list(configs) == [SPEC, BASELINE, "specserve-k6", "specserve-k6-again"]
+    assert configs[SPEC]["additional_config"]["specserve"]["k_policy"] == "adaptive"
+    assert configs["specserve-k6"] == configs["specserve-k6-again"]
+    assert configs["specserve-k6"]["additional_config"]["specserve"]["k_policy"] == "fixed"
+    assert configs["specserve-k6"]["speculative_config"]["num_speculative_tokens"] == 6
+
+
 def test_floor_sweep_profile_serves_the_default_beside_no_floor_and_fixed_ks():
     from pydantic import ValidationError
 
