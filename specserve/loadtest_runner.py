@@ -7,9 +7,9 @@ variants of configs/k-sweep.yaml), the baseline, and with --repeat-baseline the 
 noise band). Every target is warmed up first; then each concurrency level in turn runs every target, in
 a shuffled order: this machine's speed drifts by 10-30% over minutes, and measuring one target's
 levels after another's would put that drift between the targets compared. Each run draws its order's
-seed (--order-seed repeats one; the report records it): with one fixed order, runs of the same targets
-all measured them in the same sequence, and whatever that sequence favoured they repeated. With --rounds R each level
-runs every target R times, each round in an order of its own: one 30 s window per point is noisier than
+seed (--order-seed repeats one; summary.json records it): with one fixed order, runs of the same
+targets all measured them in the same sequence, and whatever that sequence favoured they repeated.
+With --rounds R each level runs every target R times, each round in an order of its own: one 30 s window per point is noisier than
 the 5% that separates close policies, and R rounds pool R windows' requests. Within a round every
 target draws the same prompts (Locust's --prompt-seed, a new seed each round). For each speculative target
 the engine's own counters (/v1/specserve/stats) are read before and after every level: the chosen-K
