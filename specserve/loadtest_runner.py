@@ -9,12 +9,13 @@ a shuffled order: this machine's speed drifts by 10-30% over minutes, and measur
 levels after another's would put that drift between the targets compared. Each run draws its order's
 seed (--order-seed repeats one; summary.json records it): with one fixed order, runs of the same
 targets all measured them in the same sequence, and whatever that sequence favoured they repeated.
-With --rounds R each level runs every target R times, each round in an order of its own: one 30 s window per point is noisier than
-the 5% that separates close policies, and R rounds pool R windows' requests. Within a round every
-target draws the same prompts (Locust's --prompt-seed, a new seed each round). For each speculative target
-the engine's own counters (/v1/specserve/stats) are read before and after every level: the chosen-K
-histogram and the shares of steps and requests that drafted come from the engine, since the per-request
-HTTP summary leaves out steps without drafts; an autoscaled model's are summed over its replicas."""
+With --rounds R each level runs every target R times, each round in an order of its own: one 30 s
+window per point is noisier than the 5% that separates close policies, and R rounds pool R windows'
+requests. Within a round every target draws the same prompts (Locust's --prompt-seed, a new seed each
+round). For each speculative target the engine's own counters (/v1/specserve/stats) are read before and
+after every level: the chosen-K histogram and the shares of steps and requests that drafted come from
+the engine, since the per-request HTTP summary leaves out steps without drafts; an autoscaled model's
+are summed over its replicas."""
 
 import argparse
 import csv
