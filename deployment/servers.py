@@ -19,14 +19,14 @@ import uuid
 from typing import AsyncGenerator, Optional
 
 from fastapi import HTTPException, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.llm import LLMServer
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 from deployment._ray_internals import EngineDeadError, IngressInternals, OpenAIHTTPException, engine_client
-from deployment.admission import api_key_check, engine_restarting, overloaded, within_queue_grace
+from deployment.admission import api_key_check, engine_restarting, openai_error, overloaded, within_queue_grace
 from deployment.defaults import CPU_ENGINE_ENV
 from deployment.playground import PlaygroundRoutes
 from plugin.trace import TRACE_ARG, trace_document, wants_trace
@@ -72,10 +72,12 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
             type="NotFoundError" if exc.status_code == 404 else "BadRequestError",
         )
 
-    async def health(self) -> dict:
+    async def health(self) -> Response:
         """200 once every model has a running replica whose engine passes its health check; 503 otherwise,
         at once: a request to a model without a running replica would wait for one. The models are asked
-        at the same time, each for up to HEALTH_CHECK_TIMEOUT_S.
+        at the same time, each for up to HEALTH_CHECK_TIMEOUT_S. The 503 is returned, not raised: Ray
+        Serve LLM logs every exception a route raises as an ERROR with its traceback, and a readiness
+        probe polling through an engine's start (a minute or two) would fill the log with them.
 
         The check goes through the model's handle, which queues it like a request, so a busy model can
         keep it waiting past the timeout or refuse it (its queue full). That is load, not a fault, when the
@@ -88,8 +90,9 @@ class SpecServeIngress(PlaygroundRoutes, IngressInternals):
                                           for model_id, handle in handles.items()))
         for model_id, failure in zip(handles, failures):
             if failure:
-                raise OpenAIHTTPException(503, f"model {model_id} is not healthy: {failure}", "ServiceUnavailable")
-        return {"status": "ok", "models": self.model_ids()}
+                return openai_error(503, f"model {model_id} is not healthy: {failure}", "service_unavailable",
+                                    "model_unhealthy")
+        return JSONResponse({"status": "ok", "models": self.model_ids()})
 
     async def _unhealthy(self, model_id: str, handle, replicas: dict) -> Optional[str]:
         """Why the model is not healthy (`health`), or None."""

@@ -156,9 +156,15 @@ def test_engine_death_under_load_is_recovered_without_disturbing_the_baseline(ap
     (old,) = engine_processes(SPEC)
     t0 = time.monotonic()
     kill_engine(SPEC)
+    while (health := httpx.get(f"{app.url}/health", timeout=30)).status_code == 200 and time.monotonic() - t0 < 10:
+        time.sleep(0.5)
+    # An OpenAI-style 503 naming the model, returned rather than raised: a raised one is logged as an ERROR
+    # with its traceback at every probe (a hundred here while the engine is replaced).
+    assert health.status_code == 503 and SPEC in health.json()["error"]["message"], health.text
     timeline = asyncio.run(recovery_timeline(app.url, SPEC, t0, timeout_s=240))
     print("recovery timeline (s after the kill):", timeline)
     assert timeline["health_failed_at_s"] < 10 and timeline["recovered_at_s"] is not None
+    assert "is not healthy" not in app.log_path.read_text(errors="replace")
     assert not old.is_running()
     # One engine per running replica: the requests queued behind the outage may have scaled the model
     # out (configs/autoscaling.yaml allows two), so the count follows the replicas rather than being 1.
