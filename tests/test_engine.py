@@ -339,3 +339,37 @@ def test_the_engine_runs_with_the_allocator_and_openmp_vllms_cpu_guide_asks_for(
     assert libraries == {"tcmalloc": "tcmalloc" in preload, "intel_openmp": "iomp5" in preload}
     assert all(libraries.values()), libraries
     assert "libiomp5" not in os.environ.get("LD_PRELOAD", "")
+
+
+# An identifier call with a few numbers: a language code drafts fall into and out of, short enough that
+# every output ends inside max_tokens.
+CALL_REGEX = r"[a-z_]{1,24}\([0-9, ]{0,12}\)"
+
+
+def test_structured_output_with_drafts_is_the_targets(plain_llm, spec_llm):
+    """A regex-constrained request (structured outputs, OpenAI's response_format's mechanism): vLLM's
+    scheduler cuts each draft at its first token the grammar forbids, and the target's masked logits
+    verify the rest, so greedy output is the plain engine's and every sampled output is in the language:
+    a sampler that read the unmasked logits would emit forbidden tokens at temperature 1."""
+    import re
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompts = held_out_prompts(16)
+
+    def params(**kw):
+        return SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(regex=CALL_REGEX), **kw)
+
+    plain = plain_llm.generate(prompts, params(temperature=0.0, logprobs=TOP_LOGPROBS), use_tqdm=False)
+    spec_llm.collective_rpc("specserve_force_costs", args=({"base": 10.0},))  # every request drafts K_max
+    try:
+        spec = spec_llm.generate(prompts, params(temperature=0.0), use_tqdm=False)
+        sampled = spec_llm.generate(prompts * 4, [params(temperature=1.0, seed=i) for i in range(4 * len(prompts))],
+                                    use_tqdm=False)
+    finally:
+        spec_llm.collective_rpc("specserve_force_costs", args=(None,))
+    assert_greedy_is_the_targets(prompts, plain, token_ids(spec))
+    for out in plain + spec + sampled:
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(CALL_REGEX, out.outputs[0].text), out.outputs[0]
+    metrics = [o.outputs[0].spec_decode_metrics for o in spec + sampled]
+    assert sum(m is not None and m.num_draft_tokens > 0 for m in metrics) >= 0.9 * len(metrics)
