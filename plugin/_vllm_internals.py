@@ -48,6 +48,68 @@ def install_rejection_sampler(runner, sampler_cls) -> bool:
     return True
 
 
+def admit_min_p_and_logit_bias(proposer_class: str) -> None:
+    """Let requests that set min_p or logit_bias into an engine whose speculator is proposer_class.
+    vLLM 0.32 refuses both whenever speculation is configured (`SamplingParams._validate_spec_decode`,
+    whose only check that is), because its own rejection sampler applies neither at draft positions;
+    `ExactRejectionSampler` applies both there, in its plain sampler's order. The check runs in the
+    process that builds requests (the offline `LLM`, a Serve replica, the API server), where no seam
+    reaches; so the general plugin wraps it in each, and other speculators keep vLLM's refusal."""
+    from vllm.sampling_params import SamplingParams
+
+    refuse = SamplingParams._validate_spec_decode
+    if getattr(refuse, "specserve_admits", False):
+        return
+
+    def validate_spec_decode(self, speculative_config):
+        if speculative_config is None or (speculative_config.method == "custom_class"
+                                          and speculative_config.model == proposer_class):
+            return
+        refuse(self, speculative_config)
+
+    validate_spec_decode.specserve_admits = True
+    SamplingParams._validate_spec_decode = validate_spec_decode
+
+
+def restore_min_p_and_logit_bias(runner) -> None:
+    """Give the runner's persistent batch vLLM's built-in min-p and logit-bias processors, which
+    `build_logitsprocs` leaves out whenever speculation is configured (it builds min-tokens alone, since
+    vLLM's verification would not apply them); without them both parameters are dropped even at the
+    plain sampler's steps. The batch is built in the runner's __init__ with no option to pass them, and
+    a rebuilt batch keeps the first one's processors. Call before any request."""
+    from vllm.utils.torch_utils import PIN_MEMORY
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+
+    batch = runner.input_batch
+    present = {type(processor) for processor in batch.logitsprocs.all}
+    missing = [cls(runner.vllm_config, runner.device, PIN_MEMORY)
+               for cls in (MinPLogitsProcessor, LogitBiasLogitsProcessor) if cls not in present]
+    batch.logitsprocs = LogitsProcessors([*batch.logitsprocs.all, *missing])
+
+
+def logit_biases(sampling_metadata) -> dict[int, dict[int, float]]:
+    """Each batch row's logit_bias ({row: {token id: bias}}): vLLM's built-in processor holds them and
+    applies them to one row per request, with no accessor; verification needs them at every draft row."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, LogitBiasLogitsProcessor):
+            return processor.biases
+    return {}
+
+
+def min_p_by_row(sampling_metadata) -> torch.Tensor | None:
+    """Each batch row's min_p [batch] (None when no request sets one), from vLLM's built-in processor
+    (as `logit_biases`)."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    for processor in sampling_metadata.logitsprocs.argmax_invariant:
+        if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
+            return processor.min_p.view(-1)
+    return None
+
+
 def runner_drafter(runner):
     """The proposer object vLLM built from `speculative_config.model` (held only by the runner)."""
     return getattr(runner, "drafter", None)

@@ -61,15 +61,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mask the tokens of each row whose probability is below min_p [N] times the row's largest (vLLM's
+    min-p; 0 switches a row's filter off)."""
+    if min_p is None or not bool((min_p > 0).any()):
+        return logits
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(-1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def processed_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: Optional[torch.Tensor] = None,
     top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Logits [N, V] after temperature, then top-k, then top-p (filtered tokens -inf), float32: what each
-    row samples from, before the softmax, and what vLLM's processed logprobs are of. Rows with
-    temperature 0 (greedy) are divided by 1."""
+    """Logits [N, V] after temperature, then min-p, then top-k, then top-p (filtered tokens -inf), float32,
+    vLLM's plain sampler's order: what each row samples from, before the softmax, and what vLLM's
+    processed logprobs are of. Rows with temperature 0 (greedy) are divided by 1."""
     logits = logits.float()
     greedy = temperature <= _EPS
     # Filters that no row uses are skipped: the sort they need is the costliest step here.
@@ -78,7 +89,7 @@ def processed_logits(
     if top_p is not None and not bool((top_p < 1).any()):
         top_p = None
     scaled = logits / torch.where(greedy, 1.0, temperature.float()).unsqueeze(-1)
-    return apply_top_k_top_p(scaled, top_k, top_p)
+    return apply_top_k_top_p(apply_min_p(scaled, min_p), top_k, top_p)
 
 
 def processed_probs(

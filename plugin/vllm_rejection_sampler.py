@@ -3,7 +3,9 @@
 vLLM's model runner calls `rejection_sampler(spec_decode_metadata, draft_probs, logits,
 sampling_metadata) -> SamplerOutput`. This class keeps that contract and vLLM's own handling of what
 surrounds verification (penalties, bad words, min-tokens, logprobs, and the bonus token, which vLLM's
-plain `Sampler` draws exactly as the non-speculative engine would), and replaces the accept/recover
+plain `Sampler` draws exactly as the non-speculative engine would), adds what vLLM's own verification
+leaves out at draft positions (logit bias and min-p, which vLLM therefore refuses with speculation;
+`internals.admit_min_p_and_logit_bias` lets them in for ours), and replaces the accept/recover
 step with the exact test of `plugin.sampling.rejection_sample`: accept x with min(1, p(x) / q(x))
 against the draft's full processed distribution q, recover from normalise(max(0, p - q)).
 
@@ -32,6 +34,25 @@ def _per_token(values: torch.Tensor | None, num_draft_tokens: list[int]) -> torc
         return None
     counts = torch.as_tensor(num_draft_tokens, device=values.device)
     return values.repeat_interleave(counts)
+
+
+def add_logit_bias(logits: torch.Tensor, biases: dict[int, dict[int, float]], num_draft_tokens: list[int]) -> None:
+    """Add each request's logit_bias ({batch row: {token id: bias}}) to its draft positions' rows of
+    logits [num_draft_tokens, vocab], in place."""
+    if not biases:
+        return
+    first = [0]
+    for n in num_draft_tokens[:-1]:
+        first.append(first[-1] + n)
+    rows, tokens, values = [], [], []
+    for request, bias in biases.items():
+        if request < len(num_draft_tokens):
+            for row in range(first[request], first[request] + num_draft_tokens[request]):
+                rows += [row] * len(bias)
+                tokens += bias.keys()
+                values += bias.values()
+    if rows:  # one (row, token) pair at most once: += adds every bias
+        logits[rows, tokens] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
 
 
 class ExactRejectionSampler(RejectionSampler):
@@ -77,9 +98,11 @@ class ExactRejectionSampler(RejectionSampler):
         bonus_token_ids = bonus_output.sampled_token_ids.view(-1).long()  # [batch]
 
         raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)  # [num_draft_tokens, vocab]
-        # The processors work in place; raw logits are kept apart only for raw logprobs.
+        # The processors work in place; raw logits are kept apart only for raw logprobs. Logit bias goes
+        # first, as in vLLM's plain sampler: a repetition penalty scales what it has added.
         keep_raw = sampling_metadata.max_num_logprobs is not None and not self.is_processed_logprobs_mode
         target_logits = raw_target_logits.clone() if keep_raw else raw_target_logits
+        add_logit_bias(target_logits, internals.logit_biases(sampling_metadata), num_draft)
         target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
 
         rows = torch.arange(batch, device=logits.device)
@@ -97,7 +120,8 @@ class ExactRejectionSampler(RejectionSampler):
             output_token_ids, _ = greedy_verify(drafts, target_argmax)
         else:
             temperature = sampling_metadata.temperature
-            processed = processed_logits(target_logits, *per_token)  # [num_draft_tokens, vocab]
+            min_p = _per_token(internals.min_p_by_row(sampling_metadata), num_draft)  # after temperature, as vLLM's
+            processed = processed_logits(target_logits, *per_token, min_p=min_p)  # [num_draft_tokens, vocab]
             target_probs = probs_of(processed, target_logits, per_token[0])
             # Row i: p at its draft positions, then a one-hot at its bonus token (already drawn from p_n).
             padded_target = pad_ragged(target_probs, num_draft, width + 1)  # [batch, width + 1, vocab]

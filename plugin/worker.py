@@ -70,7 +70,8 @@ class SpeculativeWorker(internals.platform_worker_class()):
 
     def load_model(self, *args, **kwargs):
         result = super().load_model(*args, **kwargs)
-        internals.install_rejection_sampler(self.model_runner, ExactRejectionSampler)
+        if internals.install_rejection_sampler(self.model_runner, ExactRejectionSampler):
+            internals.restore_min_p_and_logit_bias(self.model_runner)  # verified by ExactRejectionSampler
         if drafter := self._draft_proposer():
             drafter.attach(self.model_runner)
             internals.hook_runner_steps(self.model_runner, self._execute_model, self._sample_tokens)

@@ -59,6 +59,22 @@ def test_completion_chat_and_stream_on_both_models(client):
 
 
 @slow
+def test_the_speculative_model_takes_the_sampling_parameters_the_baseline_takes(client):
+    """logit_bias, min_p and a structured output through the openai client: vLLM alone refuses the first
+    two with speculation (400); here greedy with a logit bias and a regex gives the baseline's text, and a
+    sampled request with min_p is served."""
+    texts = {}
+    for model in (SPEC, BASELINE):
+        done = client.completions.create(model=model, prompt=prompt(), max_tokens=24, temperature=0,
+                                         logit_bias={"13": 3}, extra_body={"structured_outputs": {"regex": "[a-z_ ]{1,30}"}})
+        texts[model] = done.choices[0].text
+        sampled = client.completions.create(model=model, prompt=prompt(), max_tokens=16, temperature=1.0,
+                                            extra_body={"min_p": 0.1})
+        assert sampled.usage.completion_tokens > 0
+    assert texts[SPEC] == texts[BASELINE] and texts[SPEC], texts
+
+
+@slow
 def test_speculation_summary_on_speculative_responses(client):
     done = client.completions.create(model=SPEC, prompt=prompt(2), max_tokens=48, temperature=0)
     summary = done.model_extra["metrics"]["speculative_decoding"]

@@ -76,11 +76,11 @@ def test_greedy_text_equals_plain_engine(plain_llm, spec_llm):
 TWO_TOKEN_SAMPLES = 3000
 
 
-def first_two_tokens(llm, prompt, seed0):
+def first_two_tokens(llm, prompt, seed0, samples=TWO_TOKEN_SAMPLES, **sampling):
     """The samples, and the share of requests whose second token was verified from drafts."""
-    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=seed0 + i)
-              for i in range(TWO_TOKEN_SAMPLES)]
-    outs = llm.generate([prompt] * TWO_TOKEN_SAMPLES, params, use_tqdm=False)
+    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=seed0 + i, **sampling)
+              for i in range(samples)]
+    outs = llm.generate([prompt] * samples, params, use_tqdm=False)
     metrics = [o.outputs[0].spec_decode_metrics for o in outs]
     drafted = sum(m is not None and m.num_draft_tokens > 0 for m in metrics) / len(outs)
     return [tuple(o.outputs[0].token_ids) for o in outs], drafted
@@ -373,3 +373,31 @@ def test_structured_output_with_drafts_is_the_targets(plain_llm, spec_llm):
         assert out.outputs[0].finish_reason == "stop" and re.fullmatch(CALL_REGEX, out.outputs[0].text), out.outputs[0]
     metrics = [o.outputs[0].spec_decode_metrics for o in spec + sampled]
     assert sum(m is not None and m.num_draft_tokens > 0 for m in metrics) >= 0.9 * len(metrics)
+
+
+def test_min_p_and_logit_bias_are_served_and_verified_at_draft_positions(plain_llm, spec_llm):
+    """vLLM refuses min_p and logit_bias with speculation (its verification applies neither at draft
+    positions); ours applies both, so the speculative engine takes them. At temperature 1 with min_p 0.05
+    and a logit bias that bans the plain engine's likeliest second token and lifts another: 2,000 seeded
+    samples of the first two tokens from each engine, chi-square homogeneity over (t1, t2) pairs must not
+    reject at 1e-3, the banned token never comes, and most second tokens were verified from drafts (the
+    first token comes from the prompt's step, without drafts). Greedy, with the lift alone: the plain
+    engine's text."""
+    prompt = load_prompts(category="imports")[0]["prompt"]
+    unbiased, _ = first_two_tokens(plain_llm, prompt, 90_000, samples=300)
+    (banned, _), (lifted, _) = collections.Counter(t2 for _, t2 in unbiased).most_common(2)
+    sampling = {"min_p": 0.05, "logit_bias": {banned: -100.0, lifted: 2.0}}
+    plain, _ = first_two_tokens(plain_llm, prompt, 10_000, samples=2000, **sampling)
+    spec, drafted = first_two_tokens(spec_llm, prompt, 50_000, samples=2000, **sampling)
+    assert drafted > 0.5, f"only {drafted:.0%} of the requests drafted"
+    assert banned not in {t2 for _, t2 in plain + spec}
+    assert homogeneity_p_value(plain, spec) > 1e-3
+
+    prompts = held_out_prompts(8)
+    plain = plain_llm.generate(prompts, greedy(32, logprobs=TOP_LOGPROBS, logit_bias={lifted: 3.0}), use_tqdm=False)
+    spec_llm.collective_rpc("specserve_force_costs", args=({"base": 10.0},))
+    try:
+        spec = spec_llm.generate(prompts, greedy(32, logit_bias={lifted: 3.0}), use_tqdm=False)
+    finally:
+        spec_llm.collective_rpc("specserve_force_costs", args=(None,))
+    assert_greedy_is_the_targets(prompts, plain, token_ids(spec))
