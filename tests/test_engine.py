@@ -378,17 +378,17 @@ def test_structured_output_with_drafts_is_the_targets(plain_llm, spec_llm):
 def test_min_p_and_logit_bias_are_served_and_verified_at_draft_positions(plain_llm, spec_llm):
     """vLLM refuses min_p and logit_bias with speculation (its verification applies neither at draft
     positions); ours applies both, so the speculative engine takes them. At temperature 1 with min_p 0.05
-    and a logit bias that bans the plain engine's likeliest second token and lifts another: 2,000 seeded
+    and a logit bias that bans the plain engine's likeliest second token and lifts another: 1,200 seeded
     samples of the first two tokens from each engine, chi-square homogeneity over (t1, t2) pairs must not
     reject at 1e-3, the banned token never comes, and most second tokens were verified from drafts (the
     first token comes from the prompt's step, without drafts). Greedy, with the lift alone: the plain
     engine's text."""
     prompt = load_prompts(category="imports")[0]["prompt"]
-    unbiased, _ = first_two_tokens(plain_llm, prompt, 90_000, samples=300)
+    unbiased, _ = first_two_tokens(plain_llm, prompt, 90_000, samples=200)
     (banned, _), (lifted, _) = collections.Counter(t2 for _, t2 in unbiased).most_common(2)
     sampling = {"min_p": 0.05, "logit_bias": {banned: -100.0, lifted: 2.0}}
-    plain, _ = first_two_tokens(plain_llm, prompt, 10_000, samples=2000, **sampling)
-    spec, drafted = first_two_tokens(spec_llm, prompt, 50_000, samples=2000, **sampling)
+    plain, _ = first_two_tokens(plain_llm, prompt, 10_000, samples=1200, **sampling)
+    spec, drafted = first_two_tokens(spec_llm, prompt, 50_000, samples=1200, **sampling)
     assert drafted > 0.5, f"only {drafted:.0%} of the requests drafted"
     assert banned not in {t2 for _, t2 in plain + spec}
     assert homogeneity_p_value(plain, spec) > 1e-3
